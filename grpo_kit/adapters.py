@@ -1,0 +1,389 @@
+"""Versioned LoRA adapter store on fsspec: a local directory, ``s3://``, ``gs://`` or any fsspec URL.
+
+The trainer publishes each adapter under an integer ``version``; rollout workers fetch a version
+into a per-process cache directory that ``PeftModel.from_pretrained`` and vLLM's
+``LoRARequest(path)`` both accept. Layout under ``root``::
+
+    adapters/v000123/adapter_model.safetensors
+    adapters/v000123/adapter_config.json     (and any other file the adapter directory held)
+    adapters/v000123/manifest.json           version, parent, created (unix s), sha256 per file, meta
+    state/<name>.pt                          save_state / load_state (torch.save; weights_only load)
+    state/<name>.json                        write_json / read_json
+
+The manifest is written last, so a version without one does not exist: ``versions()`` skips it and
+``fetch`` refuses it; a later ``publish`` of that version overwrites the leftovers. A version with
+a manifest is immutable: ``publish`` refuses to overwrite it, and ``fetch`` checks every file's
+sha256 against the manifest before returning a path. Single-file writes (manifest, JSON, state) are
+atomic from a reader's view: a temp file and a rename on a local disk, one PUT on object stores.
+Nothing is unpickled from the store except through ``torch.load(weights_only=True)``.
+
+Credentials and endpoints: ``storage_options`` go to the fsspec filesystem unchanged (for s3fs:
+``key``, ``secret``, ``token``, ``profile``, ``endpoint_url`` or ``client_kwargs={"endpoint_url":
+...}``, ``anon``). Without them the backend's usual chain applies: for s3fs the ``AWS_*``
+environment variables, ``~/.aws/credentials`` and ``~/.aws/config``, instance roles, and for the
+endpoint ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (read by botocore) or
+``FSSPEC_S3_ENDPOINT_URL`` (fsspec's own config); for gcsfs, Application Default Credentials.
+The options travel with the store when it is pickled to Dask workers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
+_VERSION_DIR = re.compile(r"v(\d+)")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+_CHUNK = 1 << 20
+
+
+class VersionNotFoundError(KeyError):
+    """The version has no manifest in the store (never published, or a publish that did not finish)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class VersionExistsError(FileExistsError):
+    """The version is already published; versions are immutable."""
+
+
+class ChecksumError(ValueError):
+    """A fetched file does not match the sha256 in its version's manifest."""
+
+
+class AdapterStore:
+    """Versioned LoRA adapters, optimizer state and run state under one fsspec ``root``.
+
+    ``fs`` and ``path`` are the fsspec filesystem and the root as that filesystem names it.
+    ``cache_dir`` holds fetched versions; by default a per-process temp directory removed at exit.
+    """
+
+    def __init__(self, root: str, storage_options: dict | None = None, cache_dir: str | None = None) -> None:
+        self.storage_options = dict(storage_options or {})
+        self.fs, path = fsspec.core.url_to_fs(root, **self.storage_options)
+        self._local = isinstance(self.fs, LocalFileSystem)
+        self.path = os.path.abspath(path) if self._local else path.rstrip("/")
+        self.root = self.path if self._local else self.fs.unstrip_protocol(self.path)
+        self.cache_dir = cache_dir
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._version_locks: dict[int, threading.Lock] = {}
+        self._fetched: dict[int, str] = {}
+        self._manifests: dict[int, dict] = {}
+
+    def __reduce__(self):
+        # The filesystem, locks and caches are per process: a worker rebuilds them from the arguments.
+        return (AdapterStore, (self.root, self.storage_options, self.cache_dir))
+
+    def __repr__(self) -> str:
+        return f"AdapterStore({self.root!r})"
+
+    # ---- paths -----------------------------------------------------------------------------------
+
+    def _version_path(self, version: int) -> str:
+        return f"{self.path}/adapters/v{_check_version(version):06d}"
+
+    def version_url(self, version: int) -> str:
+        """Where ``version`` lives in the store (a local path or a URL)."""
+        return f"{self.root}/adapters/v{_check_version(version):06d}"
+
+    def _state_path(self, name: str, ext: str) -> str:
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name.split("/"):
+            raise ValueError(f"state name must be a relative path of [A-Za-z0-9_.-] segments, got {name!r}")
+        return f"{self.path}/state/{name}{ext}"
+
+    # ---- publishing ------------------------------------------------------------------------------
+
+    def publish(self, peft_model, version: int, meta: dict | None = None, parent: int | None = None) -> str:
+        """Save ``peft_model``'s adapter (PEFT ``save_pretrained``, safetensors) as ``version``; returns its URL."""
+        _check_version(version)
+        if self.exists(version):  # fail before spending time on save_pretrained
+            raise self._exists_error(version)
+        with tempfile.TemporaryDirectory(prefix="grpo-adapter-") as tmp:
+            peft_model.save_pretrained(tmp, safe_serialization=True)
+            return self.publish_dir(tmp, version, meta=meta, parent=parent)
+
+    def publish_dir(self, local_dir: str, version: int, meta: dict | None = None, parent: int | None = None) -> str:
+        """Publish an adapter directory already saved with ``save_pretrained`` as ``version``; returns its URL.
+
+        Every top-level file is uploaded, then the manifest. Refuses a version that has a manifest.
+        Of two writers racing on one version exactly one manifest lands (the other gets
+        :class:`VersionExistsError`); a file the loser overwrote fails ``fetch``'s checksum, never silently.
+        """
+        _check_version(version)
+        if parent is not None:
+            _check_version(parent)
+        names = sorted(n for n in os.listdir(local_dir) if os.path.isfile(os.path.join(local_dir, n)))
+        missing = [n for n in REQUIRED_FILES if n not in names]
+        if missing:
+            raise FileNotFoundError(f"{local_dir} is not a safetensors PEFT adapter directory: missing {missing}")
+        if MANIFEST in names:
+            raise ValueError(f"{local_dir} holds a {MANIFEST}; the store writes its own")
+        meta = dict(meta or {})
+        json.dumps(meta)  # fail on unserializable metrics before anything is uploaded
+        if self.exists(version):
+            raise self._exists_error(version)
+
+        vpath = self._version_path(version)
+        if self._local:
+            self.fs.makedirs(vpath, exist_ok=True)
+        files = {}
+        for name in names:
+            local = os.path.join(local_dir, name)
+            files[name] = {"sha256": _sha256_file(local), "size": os.path.getsize(local)}
+            self.fs.put_file(local, f"{vpath}/{name}")
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "version": version,
+            "parent": parent,
+            "created": time.time(),
+            "files": files,
+            "meta": meta,
+        }
+        try:
+            self._write_bytes(f"{vpath}/{MANIFEST}", _json_bytes(manifest), exclusive=True)
+        except FileExistsError:  # another writer finished the same version first
+            raise self._exists_error(version) from None
+        return self.version_url(version)
+
+    def _exists_error(self, version: int) -> VersionExistsError:
+        return VersionExistsError(
+            f"adapter version {version} already exists at {self.version_url(version)}; versions are immutable, "
+            f"publish a new one (latest is {self.latest()})"
+        )
+
+    # ---- listing ---------------------------------------------------------------------------------
+
+    def versions(self) -> list[int]:
+        """Published versions (those with a manifest), ascending."""
+        base = f"{self.path}/adapters"
+        self.fs.invalidate_cache(base)  # s3fs caches listings
+        try:
+            found = self.fs.find(base)  # one recursive listing on object stores
+        except FileNotFoundError:
+            return []
+        out = set()
+        for p in found:
+            parts = p.rstrip("/").split("/")
+            if len(parts) >= 2 and parts[-1] == MANIFEST and (m := _VERSION_DIR.fullmatch(parts[-2])):
+                out.add(int(m.group(1)))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        """The highest published version, or None for an empty store."""
+        vs = self.versions()
+        return vs[-1] if vs else None
+
+    def exists(self, version: int) -> bool:
+        """Whether ``version`` is published (has a manifest)."""
+        path = f"{self._version_path(version)}/{MANIFEST}"
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
+    def manifest(self, version: int) -> dict:
+        """The manifest of ``version``; raises :class:`VersionNotFoundError` when it is not published."""
+        self._check_process()
+        if version in self._manifests:
+            return self._manifests[version]
+        path = f"{self._version_path(version)}/{MANIFEST}"
+        self.fs.invalidate_cache(path)  # s3fs sizes files from cached listings, which may predate the manifest
+        try:
+            man = json.loads(self.fs.cat_file(path))
+        except FileNotFoundError:
+            raise self._not_found(version) from None
+        if man.get("version") != version:
+            raise ValueError(f"manifest of adapter version {version} names version {man.get('version')}")
+        self._manifests[version] = man
+        return man
+
+    def _not_found(self, version: int) -> VersionNotFoundError:
+        vs = self.versions()
+        shown = vs if len(vs) <= 10 else [*vs[:3], "...", *vs[-3:]]
+        avail = f"available: {shown}" if vs else "the store has no published versions"
+        return VersionNotFoundError(f"adapter version {version} not found in {self.root} ({avail})")
+
+    # ---- fetching --------------------------------------------------------------------------------
+
+    def fetch(self, version: int) -> str:
+        """A local directory holding ``version``, every file checked against the manifest's sha256.
+
+        Cached per process: a second fetch of the same version returns the same path at once.
+        """
+        self._check_process()
+        _check_version(version)
+        with self._lock:
+            lock = self._version_locks.setdefault(version, threading.Lock())
+        with lock:  # one download per version; other versions proceed in parallel
+            hit = self._fetched.get(version)
+            if hit is not None and os.path.isdir(hit):
+                return hit
+            man = self.manifest(version)
+            dest = os.path.join(self._cache_root(), f"v{version:06d}")
+            if not (os.path.isdir(dest) and self._cached_ok(dest, man)):
+                self._download(version, man, dest)
+            self._fetched[version] = dest
+            return dest
+
+    def _download(self, version: int, man: dict, dest: str) -> None:
+        tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp)
+        try:
+            vpath = self._version_path(version)
+            self.fs.invalidate_cache(vpath)
+            for name, info in man["files"].items():
+                local = os.path.join(tmp, name)
+                try:
+                    self.fs.get_file(f"{vpath}/{name}", local)
+                except FileNotFoundError:
+                    raise ChecksumError(
+                        f"adapter version {version}: {name} is listed in the manifest but missing from the store"
+                    ) from None
+                got = _sha256_file(local)
+                if got != info["sha256"]:
+                    raise ChecksumError(
+                        f"adapter version {version}: {name} has sha256 {got}, manifest says {info['sha256']}; "
+                        f"the copy at {self.version_url(version)} is corrupt or was modified"
+                    )
+            with open(os.path.join(tmp, MANIFEST), "wb") as f:
+                f.write(_json_bytes(man))
+            if os.path.isdir(dest):  # a stale or corrupt copy from an earlier run
+                shutil.rmtree(dest, ignore_errors=True)
+            try:
+                os.rename(tmp, dest)
+            except OSError:  # another process sharing cache_dir got there first
+                if not self._cached_ok(dest, man):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def _cached_ok(dest: str, man: dict) -> bool:
+        for name, info in man["files"].items():
+            local = os.path.join(dest, name)
+            if not os.path.isfile(local) or _sha256_file(local) != info["sha256"]:
+                return False
+        return True
+
+    def _cache_root(self) -> str:
+        base = self.cache_dir if self.cache_dir is not None else _process_cache_dir()
+        # Stores with different roots may share a cache_dir.
+        root = os.path.join(base, hashlib.sha1(self.root.encode()).hexdigest()[:16])
+        os.makedirs(root, exist_ok=True)
+        return root
+
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():  # forked: locks may be held by threads that do not exist here
+            self._reset_process_state()
+
+    # ---- run state -------------------------------------------------------------------------------
+
+    def save_state(self, name: str, state_dict: Any) -> None:
+        """Store tensors / nested dicts (e.g. an optimizer ``state_dict()``) as ``state/<name>.pt``."""
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(state_dict, buf)
+        self._write_bytes(self._state_path(name, ".pt"), buf.getvalue())
+
+    def load_state(self, name: str, map_location: Any = "cpu") -> Any:
+        """Load ``state/<name>.pt`` with ``torch.load(weights_only=True)``: tensors and plain containers only."""
+        import torch
+
+        data = self._read_bytes(self._state_path(name, ".pt"), f"state {name!r}")
+        return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        """Atomically replace ``state/<name>.json`` with ``obj``."""
+        self._write_bytes(self._state_path(name, ".json"), _json_bytes(obj))
+
+    def read_json(self, name: str) -> Any:
+        """Read ``state/<name>.json``; raises FileNotFoundError when it was never written."""
+        return json.loads(self._read_bytes(self._state_path(name, ".json"), f"run state {name!r}"))
+
+    # ---- bytes -----------------------------------------------------------------------------------
+
+    def _read_bytes(self, path: str, what: str) -> bytes:
+        self.fs.invalidate_cache(path)  # a cached size from before an overwrite would truncate the read
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no {what} in {self.root}") from None
+
+    def _write_bytes(self, path: str, data: bytes, exclusive: bool = False) -> None:
+        """Write so that readers see the old object or the new one, never a part.
+
+        With ``exclusive``, raise FileExistsError if ``path`` exists (atomic on local disks and S3).
+        """
+        if not self._local:
+            # One PUT is atomic on object stores; mode="create" is a conditional PUT (If-None-Match) on S3.
+            self.fs.pipe_file(path, data, **({"mode": "create"} if exclusive else {}))
+            return
+        parent = path.rsplit("/", 1)[0]
+        self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp-{uuid.uuid4().hex[:8]}"
+        self.fs.pipe_file(tmp, data)
+        try:
+            if exclusive:
+                self.fs.link(tmp, path)  # fails if path exists
+            else:
+                self.fs.mv(tmp, path)  # rename(2) replaces atomically
+        finally:
+            if self.fs.exists(tmp):
+                self.fs.rm_file(tmp)
+
+
+def _check_version(version: int) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be a non-negative int, got {version!r}")
+    return version
+
+
+def _sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()
+
+
+_process_cache: tuple[int, str] | None = None
+_process_cache_lock = threading.Lock()
+
+
+def _process_cache_dir() -> str:
+    """A temp directory for this process's fetches, removed when the interpreter exits."""
+    global _process_cache
+    with _process_cache_lock:
+        if _process_cache is None or _process_cache[0] != os.getpid():
+            path = tempfile.mkdtemp(prefix=f"grpo-adapters-{os.getpid()}-")
+            atexit.register(_remove_own_dir, os.getpid(), path)
+            _process_cache = (os.getpid(), path)
+        return _process_cache[1]
+
+
+def _remove_own_dir(pid: int, path: str) -> None:
+    if os.getpid() == pid:  # a forked child inherits atexit handlers; the directory is not its own
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,239 @@
+"""The GRPO objective: group advantages, the clipped importance-ratio surrogate, k3 KL, aggregation.
+
+Pure tensor math: tensors in, ``(loss, stats)`` out; no model calls, process groups or logging.
+
+Per completion token (``B`` sequences, ``T`` positions, ``mask`` marks the completion tokens)::
+
+    ratio    = exp(logp - old_logp)
+    surr     = min(ratio * adv, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * adv)
+    k3       = exp(ref_logp - logp) - (ref_logp - logp) - 1        # >= 0, unbiased KL estimate
+    loss_tok = -surr + kl_beta * k3
+
+Aggregation uses TRL's ``loss_type`` names:
+
+- ``grpo``: mean over sequences of each sequence's token mean,
+- ``dapo``: sum over all tokens / token count,
+- ``dr_grpo``: sum over all tokens / (sequences * max_len), max_len a constant (the completion budget).
+
+A :class:`Normalizer` replaces the local counts by global ones; the loss is then the local sum divided
+by the global normalizer, so losses of disjoint parts of a batch add up to the loss of the whole batch
+(which is what a sharded, micro-batched step needs). :class:`LossStats` carries raw sums, so stats of
+parts combine exactly too (``+`` locally, all-reduce of :meth:`LossStats.pack` across ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+ADV_SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """Advantages ``(r - group mean) / (std + eps)`` for consecutive groups of ``group_size`` rewards.
+
+    ``scale`` picks the std: the group's (``"group"``), the whole batch's (``"batch"``), or none
+    (``"none"``, no division). Stds are unbiased (``correction=1``), as in TRL. A group whose rewards
+    are all equal gets advantage 0 everywhere.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none")
+    tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"scale must be one of {ADV_SCALES}, got {scale!r}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(
+            f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}; "
+            "rewards must hold whole consecutive groups"
+        )
+    if scale == "group" and group_size < 2:
+        raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
+    groups = r.view(-1, group_size)  # (G, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)  # (G, group_size)
+    if scale == "group":
+        centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        std = r.std() if r.numel() > 1 else r.new_zeros(())
+        centered = centered / (std + eps)
+    return centered.reshape(-1)  # (N,)
+
+
+@dataclass(frozen=True)
+class Normalizer:
+    """Global counts that replace a batch's own in :func:`grpo_loss` (all-reduced by a sharded step)."""
+
+    num_seqs: int
+    """Sequences in the whole batch (grpo, dr_grpo)."""
+    num_tokens: int
+    """Completion tokens in the whole batch (dapo)."""
+    max_len: int
+    """dr_grpo's constant length (the completion budget, e.g. max_new_tokens)."""
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """Detached raw sums over masked tokens; combine with ``+`` (or all-reduce :meth:`pack`),
+    then read means with :meth:`summary`."""
+
+    tokens: Tensor
+    """() completion tokens."""
+    ratio_sum: Tensor
+    """() sum of ratios."""
+    ratio_sqsum: Tensor
+    """() sum of squared ratios."""
+    clip_low_count: Tensor
+    """() tokens where the lower clip is active (ratio < 1 - clip_eps and adv < 0)."""
+    clip_high_count: Tensor
+    """() tokens where the upper clip is active (ratio > 1 + clip_eps_high and adv > 0)."""
+    kl_sum: Tensor
+    """() sum of k3; NaN when no reference log-probs were given."""
+    ratio_min: Tensor
+    """() smallest ratio; +inf when there are no tokens."""
+    ratio_max: Tensor
+    """() largest ratio; -inf when there are no tokens."""
+
+    SUMS = ("tokens", "ratio_sum", "ratio_sqsum", "clip_low_count", "clip_high_count", "kl_sum")
+
+    @classmethod
+    def empty(cls, device: torch.device | str | None = None, kl: bool = True) -> LossStats:
+        """Stats of zero tokens (the identity of ``+``); ``kl=False`` marks KL as not computed."""
+        z = torch.zeros((), dtype=torch.float64, device=device)
+        inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
+        return cls(z, z, z, z, z, z if kl else z + float("nan"), inf, -inf)
+
+    def __add__(self, other: LossStats) -> LossStats:
+        sums = {k: getattr(self, k) + getattr(other, k) for k in self.SUMS}
+        return LossStats(
+            **sums,
+            ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
+            ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
+        )
+
+    def pack(self) -> tuple[Tensor, Tensor]:
+        """``(sums (6,), maxes (2,))``: all-reduce the first with SUM and the second with MAX
+        (it holds ``-ratio_min`` and ``ratio_max``), then :meth:`unpack`."""
+        sums = torch.stack([getattr(self, k) for k in self.SUMS])  # (6,)
+        maxes = torch.stack([-self.ratio_min, self.ratio_max])  # (2,)
+        return sums, maxes
+
+    @classmethod
+    def unpack(cls, sums: Tensor, maxes: Tensor) -> LossStats:
+        return cls(**dict(zip(cls.SUMS, sums.unbind(), strict=True)), ratio_min=-maxes[0], ratio_max=maxes[1])
+
+    def summary(self) -> dict[str, float]:
+        """Means over tokens: ratio mean/std/min/max, clip fractions (low/high/total), KL mean, token
+        count. NaN where there are no tokens (or, for ``kl``, no reference)."""
+        v = {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        n = v["tokens"]
+        div = (lambda x: x / n) if n > 0 else (lambda x: float("nan"))
+        mean = div(v["ratio_sum"])
+        return {
+            "ratio_mean": mean,
+            "ratio_std": max(div(v["ratio_sqsum"]) - mean * mean, 0.0) ** 0.5 if n > 0 else float("nan"),
+            "ratio_min": v["ratio_min"] if n > 0 else float("nan"),
+            "ratio_max": v["ratio_max"] if n > 0 else float("nan"),
+            "clip_low": div(v["clip_low_count"]),
+            "clip_high": div(v["clip_high_count"]),
+            "clip_frac": div(v["clip_low_count"] + v["clip_high_count"]),
+            "kl": div(v["kl_sum"]),
+            "tokens": n,
+        }
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    adv: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    kl_beta: float = 0.0,
+    loss_type: str = "grpo",
+    norm: Normalizer | None = None,
+) -> tuple[Tensor, LossStats]:
+    """The clipped GRPO loss of a batch and its :class:`LossStats`.
+
+    ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are ``(B, T)``, ``adv`` is ``(B,)``. Only
+    positions where ``mask`` is set are read: anything elsewhere (padding, prompt, NaN) changes
+    neither the loss nor the gradient. ``ref_logp`` may be None when ``kl_beta == 0``. Without
+    ``norm`` the counts are this batch's (dr_grpo's ``max_len`` is ``T``); with it, the loss is the
+    local sum over the global normalizer. Sequences without tokens contribute 0 (no NaN).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if kl_beta > 0 and ref_logp is None:
+        raise ValueError("kl_beta > 0 needs ref_logp")
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape or adv.shape != logp.shape[:1]:
+        raise ValueError(
+            f"expected logp/old_logp/mask (B, T) and adv (B,); got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(adv.shape)}"
+        )
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    m = mask.bool()  # (B, T)
+    # torch.where, not a multiply: garbage (inf/NaN) off the mask must not reach values or gradients
+    logp = torch.where(m, logp, 0.0)  # (B, T)
+    old_logp = torch.where(m, old_logp.to(logp.dtype), 0.0)  # (B, T)
+    a = adv.to(logp.dtype)[:, None]  # (B, 1)
+
+    ratio = torch.exp(logp - old_logp)  # (B, T)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)  # (B, T)
+    surr = torch.minimum(ratio * a, clipped * a)  # (B, T)
+    per_tok = -surr  # (B, T)
+    k3 = None
+    if ref_logp is not None:
+        d = torch.where(m, ref_logp.to(logp.dtype), 0.0) - logp  # (B, T)
+        k3 = torch.exp(d) - d - 1.0  # (B, T)
+        if kl_beta > 0:
+            per_tok = per_tok + kl_beta * k3
+    per_tok = torch.where(m, per_tok, 0.0)  # (B, T)
+
+    B, T = logp.shape
+    tok_per_seq = m.sum(dim=1)  # (B,)
+    if norm is None:  # this batch's own counts; the token count stays a tensor (no host sync)
+        num_seqs, num_tokens, max_len = B, tok_per_seq.sum(), T
+    else:
+        num_seqs, num_tokens, max_len = norm.num_seqs, norm.num_tokens, norm.max_len
+    if loss_type == "grpo":
+        seq_mean = per_tok.sum(dim=1) / tok_per_seq.clamp(min=1)  # (B,)
+        loss = seq_mean.sum() / _at_least_one(num_seqs)
+    elif loss_type == "dapo":
+        loss = per_tok.sum() / _at_least_one(num_tokens)
+    else:  # dr_grpo
+        loss = per_tok.sum() / _at_least_one(num_seqs * max_len)
+
+    with torch.no_grad():
+        f64, dev = torch.float64, logp.device
+        r = ratio.to(f64)  # (B, T)
+        mf = m.to(f64)  # (B, T)
+        stats = LossStats(
+            tokens=mf.sum(),
+            ratio_sum=(r * mf).sum(),
+            ratio_sqsum=(r * r * mf).sum(),
+            # exactly where the min picks the clipped branch (whose slope in logp is 0)
+            clip_low_count=((ratio < 1.0 - clip_eps) & (a < 0) & m).sum().to(f64),
+            clip_high_count=((ratio > 1.0 + eps_high) & (a > 0) & m).sum().to(f64),
+            kl_sum=(k3.to(f64) * mf).sum() if k3 is not None else torch.full((), float("nan"), dtype=f64, device=dev),
+            ratio_min=_masked_extreme(r, m, largest=False),
+            ratio_max=_masked_extreme(r, m, largest=True),
+        )
+    return loss, stats
+
+
+def _at_least_one(n: int | Tensor) -> int | Tensor:
+    # an empty batch (or shard) has a zero normalizer; its sum is 0 as well, so 0 / 1 = 0, never NaN
+    return n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1)
+
+
+def _masked_extreme(x: Tensor, m: Tensor, largest: bool) -> Tensor:
+    fill = float("-inf") if largest else float("inf")
+    # a trailing fill column keeps the reduction defined on empty tensors
+    flat = torch.cat([torch.where(m, x, fill).flatten(), x.new_full((1,), fill)])
+    return flat.amax() if largest else flat.amin()

@@ -1,0 +1,647 @@
+"""Plotly figures from a run's metric records; live updates in a notebook; a self-contained HTML report.
+
+Every figure is a pure function of the metric records (the dicts the loop appends to ``metrics.jsonl``,
+one per iteration). Any key may be missing or ``None`` in an early or partial run: a series is drawn
+from the records that have it, and a figure always carries the same traces, empty where there is no
+data, so that :class:`LivePlots` can update a figure in place by copying the arrays of a freshly built
+one into it. Trace names are part of the contract (the tests look them up).
+
+``LivePlots`` shows ``FigureWidget`` s that follow a run in JupyterLab; under papermill, in a console
+or in plain python it only collects records, and :meth:`LivePlots.show` displays static figures at
+the end. ``write_report`` writes one HTML file that opens offline: plotly.js is inlined once.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+from plotly.subplots import make_subplots
+
+Record = Mapping[str, Any]
+
+SPAN_KINDS = ("generate", "train", "publish", "eval")
+"""Span names the loop records, top to bottom in the timeline."""
+
+_C = qualitative.Plotly
+COLORS = {
+    "reward": _C[0],
+    "train_acc": _C[2],
+    "eval_acc": _C[1],
+    "base": "#7f7f7f",
+    "ratio": _C[0],
+    "clip_low": _C[4],
+    "clip_high": _C[1],
+    "clip": "#444444",
+    "kl": _C[3],
+    "staleness_max": _C[1],
+    "staleness_mean": _C[0],
+    "rejected": "#b0b0b0",
+    "generate": _C[0],
+    "train": _C[1],
+    "publish": _C[2],
+    "eval": _C[3],
+    "iteration": "#444444",
+}
+_LAYOUT = dict(
+    template="plotly_white",
+    margin=dict(l=60, r=30, t=60, b=50),
+    hovermode="x unified",
+    legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+)
+
+
+# ---------------------------------------------------------------- reading a run
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL file. The last line may be half written (a run in progress): it is dropped;
+    an unreadable line elsewhere is skipped with a warning."""
+    if not path.is_file():
+        return []
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                warnings.warn(f"{path}: skipping unreadable line {i + 1}", stacklevel=3)
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object, or ``{}`` when the file is missing or not (yet) complete."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{"records", "config", "summary", "samples"}`` of a run directory; missing files read as empty."""
+    d = Path(run_dir)
+    return {
+        "records": _read_jsonl(d / "metrics.jsonl"),
+        "config": _read_json(d / "config.json"),
+        "summary": _read_json(d / "summary.json"),
+        "samples": _read_jsonl(d / "samples.jsonl"),
+    }
+
+
+# ---------------------------------------------------------------- series helpers
+
+
+def _num(v: Any) -> float | None:
+    """A finite real number as float, else None (bools, strings, NaN and null are not data)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _x(rec: Record, i: int) -> int:
+    it = rec.get("iteration")
+    return it if isinstance(it, int) and not isinstance(it, bool) else i
+
+
+def _series(records: Sequence[Record], key: str | Callable[[Record], Any]) -> tuple[list[int], list[float]]:
+    """(iterations, values) over the records where ``key`` (a field or a function of the record) is a number."""
+    get = key if callable(key) else (lambda r: r.get(key))
+    xs, ys = [], []
+    for i, rec in enumerate(records):
+        y = _num(get(rec))
+        if y is not None:
+            xs.append(_x(rec, i))
+            ys.append(y)
+    return xs, ys
+
+
+def _sum(rec: Record, a: str, b: str) -> float | None:
+    va, vb = _num(rec.get(a)), _num(rec.get(b))
+    return None if va is None or vb is None else va + vb
+
+
+def _last(records: Sequence[Record], key: str) -> Any:
+    return next((r[key] for r in reversed(records) if _num(r.get(key)) is not None), None)
+
+
+def _rgba(hex_color: str, alpha: float) -> str:
+    h = hex_color.lstrip("#")
+    r, g, b = (int(h[i : i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def _line(records, key, name, color, dash=None, mode="lines+markers", **kw) -> go.Scatter:
+    xs, ys = _series(records, key)
+    return go.Scatter(x=xs, y=ys, name=name, mode=mode, line=dict(color=color, dash=dash), marker=dict(size=5), **kw)
+
+
+def _band(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any], name: str, color: str) -> go.Scatter:
+    """A filled band as one closed polygon (one trace, so a live update is one restyle)."""
+    pts = [(_x(r, i), _num(lo(r)), _num(hi(r))) for i, r in enumerate(records)]
+    pts = [(x, a, b) for x, a, b in pts if a is not None and b is not None]
+    xs = [p[0] for p in pts]
+    return go.Scatter(
+        x=xs + xs[::-1],
+        y=[p[2] for p in pts] + [p[1] for p in pts][::-1],
+        name=name,
+        fill="toself",
+        fillcolor=_rgba(color, 0.18),
+        line=dict(width=0),
+        mode="lines",
+        hoverinfo="skip",
+    )
+
+
+# ---------------------------------------------------------------- figures
+
+
+def reward_figure(records: Sequence[Record]) -> go.Figure:
+    """Reward mean with a ±std band (left axis); train, held-out and base-model accuracy (right axis)."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+
+    def std_edge(sign: int) -> Callable[[Record], Any]:
+        def edge(r: Record) -> float | None:
+            m, s = _num(r.get("reward_mean")), _num(r.get("reward_std"))
+            return None if m is None or s is None else m + sign * s
+
+        return edge
+
+    fig.add_trace(_band(records, std_edge(-1), std_edge(+1), "reward ± std", COLORS["reward"]), secondary_y=False)
+    fig.add_trace(_line(records, "reward_mean", "reward mean", COLORS["reward"]), secondary_y=False)
+    fig.add_trace(_line(records, "train_acc", "train accuracy", COLORS["train_acc"], dash="dot"), secondary_y=True)
+    fig.add_trace(_line(records, "eval_acc", "eval accuracy", COLORS["eval_acc"]), secondary_y=True)
+    # The base model's accuracy is one number: a dashed line across the iterations run so far.
+    base = _num(_last(records, "base_acc"))
+    xs = [_x(r, i) for i, r in enumerate(records)]
+    bx = [min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1] if xs and base is not None else []
+    fig.add_trace(
+        go.Scatter(
+            x=bx, y=[base] * len(bx), name="base model", mode="lines", line=dict(color=COLORS["base"], dash="dash")
+        ),
+        secondary_y=True,
+    )
+    fig.update_layout(title="Reward and accuracy", height=420, **_LAYOUT)
+    fig.update_xaxes(title_text="iteration")
+    fig.update_yaxes(title_text="reward", secondary_y=False)
+    # explicit ticks: plotly.js would otherwise sync them to the reward axis' grid (0.122, 0.302, ...)
+    fig.update_yaxes(
+        title_text="accuracy",
+        range=[-0.02, 1.02],
+        tickmode="linear",
+        tick0=0,
+        dtick=0.2,
+        tickformat=".0%",
+        secondary_y=True,
+        showgrid=False,
+    )
+    return fig
+
+
+def drift_figure(records: Sequence[Record]) -> go.Figure:
+    """Off-policy drift: importance ratio (mean, min/max band), clip fractions, KL to the base model."""
+    fig = make_subplots(
+        rows=3,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.07,
+        subplot_titles=("importance ratio π/π_old", "clip fraction", "KL to base"),
+    )
+    fig.add_trace(
+        _band(records, lambda r: r.get("ratio_min"), lambda r: r.get("ratio_max"), "ratio min/max", COLORS["ratio"]),
+        row=1,
+        col=1,
+    )
+    fig.add_trace(_line(records, "ratio_mean", "ratio mean", COLORS["ratio"]), row=1, col=1)
+    fig.add_trace(_line(records, "clip_frac_low", "clip low", COLORS["clip_low"], dash="dot"), row=2, col=1)
+    fig.add_trace(_line(records, "clip_frac_high", "clip high", COLORS["clip_high"], dash="dot"), row=2, col=1)
+    fig.add_trace(_line(records, "clip_frac", "clip total", COLORS["clip"]), row=2, col=1)
+    fig.add_trace(_line(records, "kl_mean", "KL", COLORS["kl"]), row=3, col=1)
+    fig.update_layout(title="Off-policy drift", height=700, **_LAYOUT)
+    fig.update_layout(margin_t=90, legend_y=1.05)  # keep the legend clear of the first panel's title
+    fig.update_xaxes(title_text="iteration", row=3, col=1)
+    return fig
+
+
+def staleness_figure(records: Sequence[Record]) -> go.Figure:
+    """Version lag of each batch (trainer version minus generating adapter version) and rejected groups."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    xs, ys = _series(records, "rejected_groups")
+    fig.add_trace(
+        go.Bar(x=xs, y=ys, name="rejected groups", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True
+    )
+    fig.add_trace(_line(records, "staleness_max", "staleness max", COLORS["staleness_max"]), secondary_y=False)
+    fig.add_trace(
+        _line(records, "staleness_mean", "staleness mean", COLORS["staleness_mean"], dash="dot"), secondary_y=False
+    )
+    fig.update_layout(title="Staleness", height=380, **_LAYOUT)
+    fig.update_xaxes(title_text="iteration")
+    fig.update_yaxes(title_text="version lag", rangemode="tozero", secondary_y=False)
+    fig.update_yaxes(
+        title_text="rejected groups", rangemode="tozero", tickmode="auto", secondary_y=True, showgrid=False
+    )
+    return fig
+
+
+def _spans(records: Sequence[Record]) -> list[tuple[str, Any, float, float]]:
+    """Well-formed spans ``(name, iteration, start, end)`` of all records, duplicates dropped."""
+    seen, out = set(), []
+    for rec in records:
+        spans = rec.get("spans")
+        for s in spans if isinstance(spans, list) else ():
+            if not isinstance(s, Mapping):
+                continue
+            start, end = _num(s.get("start")), _num(s.get("end"))
+            if start is None or end is None or end < start:
+                continue
+            key = (str(s.get("name")), s.get("iteration"), start, end)
+            if key not in seen:
+                seen.add(key)
+                out.append(key)
+    return out
+
+
+def timeline_figure(records: Sequence[Record]) -> go.Figure:
+    """Gantt chart of generate / train / publish / eval spans, seconds since the first span.
+
+    One row per kind, one bar per span labelled by its iteration: with a pipelined loop the generate
+    bar of iteration i+1 runs beside the train bar of iteration i.
+    """
+    spans = _spans(records)
+    t0 = min((s[2] for s in spans), default=0.0)
+    kinds = list(SPAN_KINDS) + sorted({s[0] for s in spans} - set(SPAN_KINDS))
+    fig = go.Figure()
+    for i, kind in enumerate(kinds):
+        mine = [s for s in spans if s[0] == kind]
+        fig.add_trace(
+            go.Bar(
+                orientation="h",
+                name=kind,
+                y=[kind] * len(mine),
+                base=[s[2] - t0 for s in mine],
+                x=[s[3] - s[2] for s in mine],
+                text=[str(s[1]) for s in mine],
+                textposition="inside",
+                insidetextanchor="middle",
+                customdata=[[str(s[1]), s[2] - t0, s[3] - t0, s[3] - s[2]] for s in mine],
+                hovertemplate="iteration %{customdata[0]}: %{customdata[1]:.2f}–%{customdata[2]:.2f} s"
+                " (%{customdata[3]:.2f} s)<extra>%{fullData.name}</extra>",
+                marker=dict(color=COLORS.get(kind, _C[(i + 4) % len(_C)]), line=dict(color="white", width=1)),
+            )
+        )
+    layout = {**_LAYOUT, "hovermode": "closest"}
+    fig.update_layout(
+        title="Pipeline timeline",
+        height=340,
+        barmode="overlay",
+        bargap=0.25,
+        uniformtext=dict(minsize=8, mode="hide"),
+        **layout,
+    )
+    fig.update_xaxes(title_text="seconds since the first span", rangemode="tozero")
+    fig.update_yaxes(categoryorder="array", categoryarray=kinds[::-1])
+    return fig
+
+
+def timing_figure(records: Sequence[Record]) -> go.Figure:
+    """Wall time per iteration against its generation and training time; below the serial sum means overlap."""
+    fig = go.Figure()
+    fig.add_trace(_line(records, "iter_s", "iteration", COLORS["iteration"]))
+    fig.add_trace(_line(records, "gen_s", "generate", COLORS["generate"]))
+    fig.add_trace(_line(records, "train_s", "train", COLORS["train"]))
+    fig.add_trace(
+        _line(
+            records,
+            lambda r: _sum(r, "gen_s", "train_s"),
+            "generate + train",
+            COLORS["base"],
+            dash="dash",
+            mode="lines",
+        )
+    )
+    fig.update_layout(title="Time per iteration", height=380, **_LAYOUT)
+    fig.update_xaxes(title_text="iteration")
+    fig.update_yaxes(title_text="seconds", rangemode="tozero")
+    return fig
+
+
+FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
+    "reward": reward_figure,
+    "drift": drift_figure,
+    "staleness": staleness_figure,
+    "timeline": timeline_figure,
+    "timing": timing_figure,
+}
+"""Figure builders by stable name; the report's div ids are ``fig-<name>``."""
+
+
+def all_figures(records: Sequence[Record]) -> dict[str, go.Figure]:
+    """Every figure of :data:`FIGURES`, built from the same records."""
+    return {name: build(records) for name, build in FIGURES.items()}
+
+
+# ---------------------------------------------------------------- live plots
+
+
+def _notebook_frontend() -> bool:
+    """True in an IPython kernel driven by a notebook UI that can show widgets.
+
+    JupyterLab, Notebook 7 and VS Code send the cell id in each execute request's metadata;
+    papermill / nbclient and the consoles send none, and plain python has no kernel at all.
+    """
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    kernel = getattr(get_ipython(), "kernel", None)
+    if kernel is None or not hasattr(kernel, "get_parent"):
+        return False
+    parent = kernel.get_parent("shell") or {}
+    return bool(parent.get("metadata"))
+
+
+def _figure_widget(fig: go.Figure) -> go.Figure | None:
+    """``go.FigureWidget(fig)``, or None where it cannot be made (plotly >= 6 needs anywidget)."""
+    try:
+        return go.FigureWidget(fig)
+    except Exception:  # ImportError without anywidget; whatever an odd widget stack raises outside a kernel
+        return None
+
+
+_TRACE_ARRAYS = ("x", "y", "base", "text", "customdata")
+
+
+def update_in_place(fig: go.Figure, fresh: go.Figure) -> None:
+    """Copy the data arrays of ``fresh`` into ``fig`` (a ``FigureWidget`` sends one batched message)."""
+    same = len(fig.data) == len(fresh.data) and all(
+        a.type == b.type and a.name == b.name for a, b in zip(fig.data, fresh.data, strict=True)
+    )
+    if not same:  # a new span kind appeared: replace the traces wholesale
+        fig.data = ()
+        fig.add_traces(list(fresh.data))
+        fig.layout = fresh.layout
+        return
+    with fig.batch_update():
+        for old, new in zip(fig.data, fresh.data, strict=True):
+            for key in _TRACE_ARRAYS:
+                if key in new and old[key] != new[key]:
+                    old[key] = new[key]
+
+
+class LivePlots:
+    """A metrics callback that plots a run as it goes.
+
+    Create it in a notebook cell before the run and hand it to the loop as its per-iteration
+    metrics callback::
+
+        live = LivePlots()  # the figures appear under this cell
+        ...                 # the run calls live(record) after every iteration
+        live.show()         # static figures, where no widget could follow the run
+
+    In JupyterLab it displays ``FigureWidget`` s at construction and updates them in place on each
+    record. Elsewhere (papermill, a console, plain python, or without anywidget) it only collects
+    records, and :meth:`show` displays static figures. ``live=True`` forces in-place updates of the
+    held figures (``FigureWidget`` where possible, else ``go.Figure``) and ``live=False`` turns them off.
+    """
+
+    def __init__(self, records: Iterable[Record] = (), *, live: bool | None = None, names: Sequence[str] | None = None):
+        self.records: list[dict[str, Any]] = [dict(r) for r in records]
+        self.names = tuple(names or FIGURES)
+        unknown = set(self.names) - set(FIGURES)
+        if unknown:
+            raise ValueError(f"unknown figure names {sorted(unknown)}; choose from {list(FIGURES)}")
+        frontend = _notebook_frontend()
+        self._figs: dict[str, go.Figure] | None = None
+        self.widgets = False
+        """Whether the held figures are ``FigureWidget`` s shown in a notebook frontend."""
+        if not (frontend if live is None else live):
+            return
+        static = self._build()
+        widgets = {name: _figure_widget(fig) for name, fig in static.items()}
+        if all(w is not None for w in widgets.values()):
+            self._figs = widgets
+            if frontend:
+                from IPython.display import display
+
+                for w in widgets.values():
+                    display(w)
+                self.widgets = True
+            return
+        if frontend:
+            warnings.warn(
+                "live plots need plotly's FigureWidget (install anywidget); showing static figures at the end instead",
+                stacklevel=2,
+            )
+        if live:
+            self._figs = static
+
+    @property
+    def live(self) -> bool:
+        """Whether each record updates the held figures in place."""
+        return self._figs is not None
+
+    def _build(self) -> dict[str, go.Figure]:
+        return {name: FIGURES[name](self.records) for name in self.names}
+
+    @property
+    def figures(self) -> dict[str, go.Figure]:
+        """The live figures when live; otherwise static figures built from the records so far."""
+        return self._figs if self._figs is not None else self._build()
+
+    def __call__(self, record: Record) -> None:
+        """Append one metrics record and, when live, refresh every figure in place."""
+        self.records.append(dict(record))
+        if self._figs is None:
+            return
+        for name, fresh in self._build().items():
+            update_in_place(self._figs[name], fresh)
+
+    def show(self) -> dict[str, go.Figure]:
+        """Display static figures of the whole run, unless live widgets already show it; returns them."""
+        figs = self.figures
+        if not self.widgets:
+            try:
+                from IPython import get_ipython
+            except ImportError:
+                return figs
+            if get_ipython() is not None:
+                from IPython.display import display
+
+                for fig in figs.values():
+                    display(go.Figure(fig))
+        return figs
+
+
+# ---------------------------------------------------------------- report
+
+
+def format_number(v: Any) -> str:
+    """How the report writes a value.
+
+    >>> [format_number(v) for v in (0.6875, 2 / 3, 48066.0, 12, 3.2e-5, None)]
+    ['0.6875', '0.6667', '48,066', '12', '3.20e-05', 'n/a']
+    """
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    return str(v)
+
+
+def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
+    """Headline numbers of a run from its metric records (``None`` where the run has no such data)."""
+    evals = _series(records, "eval_acc")[1]
+    spans = _spans(records)
+    iter_s = _series(records, "iter_s")[1]
+
+    def total(key: str) -> float | None:
+        ys = _series(records, key)[1]
+        return sum(ys) if ys else None
+
+    def peak(key: str) -> float | None:
+        ys = _series(records, key)[1]
+        return max(ys) if ys else None
+
+    return {
+        "iterations": len(records),
+        "adapter version": _last(records, "version"),
+        "base accuracy": _last(records, "base_acc"),
+        "final eval accuracy": evals[-1] if evals else None,
+        "best eval accuracy": max(evals) if evals else None,
+        "final train accuracy": _last(records, "train_acc"),
+        "final reward mean": _last(records, "reward_mean"),
+        "final ratio mean": _last(records, "ratio_mean"),
+        "final clip fraction": _last(records, "clip_frac"),
+        "final KL": _last(records, "kl_mean"),
+        "max staleness": peak("staleness_max"),
+        "rejected groups": total("rejected_groups"),
+        "tokens": total("tokens"),
+        "mean iteration (s)": sum(iter_s) / len(iter_s) if iter_s else None,
+        "wall time (s)": max(s[3] for s in spans) - min(s[2] for s in spans) if spans else None,
+    }
+
+
+def _table(rows: Mapping[str, Any], cls: str) -> str:
+    body = "".join(
+        f'<tr data-key="{html.escape(str(k))}"><th>{html.escape(str(k))}</th>'
+        f"<td>{html.escape(format_number(v))}</td></tr>"
+        for k, v in rows.items()
+    )
+    return f'<table class="{cls}">{body}</table>' if body else '<p class="none">none recorded</p>'
+
+
+def _pick_samples(samples: Sequence[Record], n: int) -> list[Record]:
+    """Up to ``n`` samples: half from the earliest iteration, half from the latest (before against after)."""
+    its = sorted({s.get("iteration") for s in samples if isinstance(s.get("iteration"), int)})
+    if len(its) < 2 or n < 2:
+        return list(samples[: max(n, 0)])
+    first = [s for s in samples if s.get("iteration") == its[0]][: n // 2]
+    last = [s for s in samples if s.get("iteration") == its[-1]][-(n - len(first)) :]
+    return first + last
+
+
+def _clip(text: Any, limit: int = 2000) -> str:
+    s = "" if text is None else str(text)
+    return s if len(s) <= limit else s[:limit] + " …"
+
+
+def _samples_html(samples: Sequence[Record], n: int) -> str:
+    picked = _pick_samples(samples, n)
+    if not picked:
+        return '<p class="none">no samples recorded</p>'
+    rows = "".join(
+        f"<tr><td>{html.escape(format_number(s.get('iteration')))}</td>"
+        f'<td class="num">{html.escape(format_number(s.get("reward")))}</td>'
+        f"<td><pre>{html.escape(_clip(s.get('prompt')))}</pre></td>"
+        f"<td><pre>{html.escape(_clip(s.get('completion')))}</pre></td>"
+        f"<td><pre>{html.escape(_clip(s.get('gold')))}</pre></td></tr>"
+        for s in picked
+    )
+    return (
+        '<table class="samples"><thead><tr><th>iteration</th><th>reward</th><th>prompt</th>'
+        f"<th>completion</th><th>gold</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #222; background: #fafafa; }
+main { max-width: 1300px; margin: 0 auto; padding: 24px; }
+h1 { margin-bottom: 4px; } .meta { color: #666; margin-top: 0; }
+section { background: white; border: 1px solid #e4e4e4; border-radius: 6px; padding: 12px 18px; margin: 18px 0; }
+table { border-collapse: collapse; font-size: 14px; }
+th, td { text-align: left; padding: 4px 12px; border-bottom: 1px solid #eee; vertical-align: top; }
+.numbers td, td.num { font-variant-numeric: tabular-nums; }
+.columns { display: flex; gap: 48px; flex-wrap: wrap; }
+pre { margin: 0; white-space: pre-wrap; word-break: break-word; font-size: 13px; }
+.samples td:nth-child(4) { min-width: 420px; }
+.none { color: #888; }
+"""
+
+
+def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = None, *, n_samples: int = 6) -> Path:
+    """Write one self-contained HTML report of a run (default ``<run_dir>/report.html``) and return its path.
+
+    It holds every figure of :data:`FIGURES` (div ids ``fig-<name>``, plotly.js inlined once), the final
+    numbers (from the metrics and ``summary.json``), a few sampled completions and ``config.json``.
+    """
+    run = load_run(run_dir)
+    out = Path(path) if path is not None else Path(run_dir) / "report.html"
+    records = run["records"]
+    plots = []
+    for i, (name, fig) in enumerate(all_figures(records).items()):
+        div = fig.to_html(
+            full_html=False,
+            include_plotlyjs=(i == 0),
+            div_id=f"fig-{name}",
+            default_width="100%",
+            default_height=f"{fig.layout.height or 450}px",
+            config={"displaylogo": False, "responsive": True},
+        )
+        doc = html.escape((FIGURES[name].__doc__ or "").strip().split("\n")[0])
+        plots.append(f'<section class="plot" id="section-{name}">{div}<p class="meta">{doc}</p></section>')
+    title = html.escape(Path(run_dir).resolve().name)
+    written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>GRPO run {title}</title><style>{_CSS}</style></head>
+<body><main>
+<h1>GRPO run {title}</h1>
+<p class="meta">{html.escape(str(run_dir))} · {len(records)} iterations · written {written}</p>
+<section id="numbers"><h2>Final numbers</h2><div class="columns">
+<div><h3>from the metrics</h3>{_table(final_numbers(records), "numbers")}</div>
+<div><h3>summary.json</h3>{_table(run["summary"], "numbers summary")}</div></div></section>
+{"".join(plots)}
+<section id="samples"><h2>Sampled completions</h2>{_samples_html(run["samples"], n_samples)}</section>
+<section id="config"><h2>Configuration</h2><pre>{html.escape(json.dumps(run["config"], indent=2, sort_keys=True))}</pre></section>
+</main></body></html>
+"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out)  # a notebook reloading the report never sees half a file
+    return out

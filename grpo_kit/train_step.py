@@ -1,0 +1,264 @@
+"""Token log-probs, the batch record, and one GRPO optimizer step (single process or one DDP rank).
+
+Alignment: every per-token tensor is ``(B, T)`` and aligned with ``input_ids``: column ``t`` holds
+the value for token ``input_ids[:, t]``, predicted from positions ``< t``. Column 0 has no prediction
+and is 0; prompts are non-empty, so it is never a completion token. ``completion_mask`` is therefore
+the loss mask as it is, and an engine's sampling log-probs go at the completion tokens' own columns.
+
+The step issues the same collectives, in the same order, on every rank whatever its shard holds
+(empty, uneven, all advantages zero), so it cannot deadlock:
+
+1. all-reduce the normalizers (sequences, completion tokens, longest completion) of the whole batch;
+2. forward and backward each micro-batch of the rank's shard inside ``model.no_sync()``: local only;
+3. one 1-token forward through the DDP wrapper and a 0-scaled backward outside ``no_sync()``: this
+   backward is the rank's single gradient all-reduce (the gradients accumulated in step 2 ride on it);
+4. clip, optimizer step; all-reduce the stats.
+
+The DDP wrapper must have ``broadcast_buffers=False`` (:func:`wrap_ddp`): otherwise DDP broadcasts
+module buffers (rotary tables) as part of forwards, which are a per-rank, shard-dependent number.
+Because losses are normalized by global counts and DDP averages gradients over ranks, each rank
+backpropagates ``world_size * (local sum / global normalizer)``; the update then equals the
+single-process update on the whole batch for every ``loss_type``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from grpo_kit.config import LossConfig, OptimConfig
+from grpo_kit.loss import LossStats, Normalizer, grpo_loss
+
+
+class Sample(NamedTuple):
+    """One completion as the trainer needs it (a plain 4-tuple works as well)."""
+
+    prompt_ids: Sequence[int]
+    completion_ids: Sequence[int]
+    completion_logprobs: Sequence[float]
+    """Sampling log-prob of each completion token (same length as ``completion_ids``)."""
+    adv: float
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """A right-padded batch; every ``(B, T)`` tensor is aligned with ``input_ids`` (module docstring)."""
+
+    input_ids: Tensor
+    """(B, T) int64 prompt + completion token ids, right-padded."""
+    attention_mask: Tensor
+    """(B, T) 1 on prompt and completion tokens."""
+    completion_mask: Tensor
+    """(B, T) 1 on completion tokens: the loss mask."""
+    old_logp: Tensor
+    """(B, T) sampling log-probs on completion tokens, 0 elsewhere."""
+    adv: Tensor
+    """(B,) advantages."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, rows: slice) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def trim(self) -> TrainBatch:
+        """Drop the trailing columns that are padding in every row (cheaper forwards, same values)."""
+        width = int(self.attention_mask.sum(dim=1).max()) if len(self) else 0
+        cols = {f.name: getattr(self, f.name)[:, :width] for f in fields(self) if f.name != "adv"}
+        return TrainBatch(**cols, adv=self.adv)
+
+
+def collate(samples: Sequence[Sample | tuple], pad_id: int, dtype: torch.dtype = torch.float32) -> TrainBatch:
+    """Build a right-padded :class:`TrainBatch` from ``(prompt_ids, completion_ids,
+    completion_logprobs, adv)`` samples, keeping the token ids exactly as sampled."""
+    samples = [Sample(*s) for s in samples]
+    width = max((len(s.prompt_ids) + len(s.completion_ids) for s in samples), default=0)
+    B = len(samples)
+    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, width), dtype=torch.long)
+    completion_mask = torch.zeros((B, width), dtype=torch.long)
+    old_logp = torch.zeros((B, width), dtype=dtype)
+    for i, s in enumerate(samples):
+        if len(s.prompt_ids) == 0:
+            raise ValueError(f"sample {i}: empty prompt (the first token has no log-prob)")
+        if len(s.completion_logprobs) != len(s.completion_ids):
+            raise ValueError(
+                f"sample {i}: {len(s.completion_ids)} completion ids but {len(s.completion_logprobs)} log-probs"
+            )
+        p, n = len(s.prompt_ids), len(s.prompt_ids) + len(s.completion_ids)
+        input_ids[i, :n] = torch.tensor([*s.prompt_ids, *s.completion_ids], dtype=torch.long)
+        attention_mask[i, :n] = 1
+        completion_mask[i, p:n] = 1
+        old_logp[i, p:n] = torch.tensor(list(s.completion_logprobs), dtype=dtype)
+    adv = torch.tensor([float(s.adv) for s in samples], dtype=dtype)
+    return TrainBatch(input_ids, attention_mask, completion_mask, old_logp, adv)
+
+
+def token_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *, chunk: int = 1024
+) -> Tensor:
+    """``(B, T)`` log-probs of the completion tokens of ``input_ids`` under ``model``; 0 elsewhere.
+
+    Aligned with ``input_ids`` (module docstring). Only the logits rows that predict completion
+    tokens are kept, and they are upcast (to float32, or kept in float64) ``chunk`` rows at a time,
+    so the float32 copy of the vocab-wide logits exists once, for completion rows only.
+    """
+    if completion_mask[:, :1].any():
+        raise ValueError("completion_mask is set at column 0, which has no prediction; prompts must be non-empty")
+    B, T = input_ids.shape
+    m = completion_mask[:, 1:].bool()  # (B, T-1) completion tokens at columns 1..T-1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
+    rows = logits[:, :-1][m]  # (N, V) in the model dtype: the rows that predict completion tokens
+    del logits  # autograd keeps only indices for the selection: the full (B, T, V) tensor is freed here
+    targets = input_ids[:, 1:][m]  # (N,)
+    dtype = torch.promote_types(rows.dtype, torch.float32)
+    parts = []
+    for x, y in zip(rows.split(chunk), targets.split(chunk), strict=True):
+        x = x.to(dtype)  # (n, V)
+        parts.append(x.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1))  # (n,)
+    vals = torch.cat(parts) if parts else rows.new_zeros((0,), dtype=dtype)  # (N,)
+    logp = vals.new_zeros((B, T - 1)).masked_scatter(m, vals)  # (B, T-1)
+    return F.pad(logp, (1, 0))  # (B, T)
+
+
+def wrap_ddp(model: nn.Module, **kw) -> DDP:
+    """Wrap a (PEFT) model for :func:`grpo_step`: DDP with ``broadcast_buffers=False`` (required)."""
+    return DDP(model, broadcast_buffers=False, **kw)
+
+
+def make_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable (LoRA) parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay)
+
+
+def shard_bounds(n: int, rank: int, world_size: int, shard_sizes: Sequence[int] | None = None) -> tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s contiguous shard of ``n`` samples: ``shard_sizes`` if given,
+    else ``numpy.array_split`` sizes (the first ``n % world_size`` ranks take one more)."""
+    if shard_sizes is None:
+        shard_sizes = [n // world_size + (r < n % world_size) for r in range(world_size)]
+    if len(shard_sizes) != world_size or sum(shard_sizes) != n or min(shard_sizes) < 0:
+        raise ValueError(f"shard_sizes {list(shard_sizes)} must be {world_size} sizes >= 0 summing to {n}")
+    start = sum(shard_sizes[:rank])
+    return start, start + shard_sizes[rank]
+
+
+def grpo_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    loss_cfg: LossConfig,
+    optim_cfg: OptimConfig,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    shard_sizes: Sequence[int] | None = None,
+    max_len: int | None = None,
+) -> dict[str, float]:
+    """One optimizer step on the FULL ``batch``, of which this rank processes its shard.
+
+    ``model`` is a PEFT model (``world_size == 1``: no DDP, no ``torch.distributed`` call) or
+    :func:`wrap_ddp` around one. ``max_len`` is dr_grpo's constant (pass the completion budget,
+    ``max_new_tokens``); None takes the longest completion in the batch. Returns stats that are
+    all-reduced and identical on every rank: ``loss``, ``ratio_mean/std/min/max``,
+    ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``grad_norm`` (before clipping),
+    ``tokens``, ``samples``, ``samples_nonzero_adv``.
+    """
+    distributed = isinstance(model, DDP)
+    module = model.module if distributed else model
+    if distributed:
+        pg = model.process_group
+        if model.broadcast_buffers:
+            raise ValueError("DDP must be built with broadcast_buffers=False (see grpo_kit.train_step, wrap_ddp)")
+        if (rank, world_size) != (torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)):
+            raise ValueError(f"rank/world_size {rank}/{world_size} do not match the DDP process group")
+    elif world_size != 1:
+        raise ValueError(f"world_size={world_size} needs a DDP-wrapped model (wrap_ddp)")
+    if loss_cfg.kl_beta > 0 and not hasattr(module, "disable_adapter"):
+        raise ValueError("kl_beta > 0 takes the reference from the base model: model must be a PEFT model")
+
+    device = next(module.parameters()).device
+    start, stop = shard_bounds(len(batch), rank, world_size, shard_sizes)
+    shard = batch[start:stop].to(device)
+    f64 = torch.float64
+    optimizer.zero_grad(set_to_none=True)
+
+    # (1) global normalizers, before any backward
+    counts = torch.stack(
+        [
+            torch.tensor(float(len(shard)), dtype=f64, device=device),
+            shard.completion_mask.sum().to(f64),
+            (shard.adv != 0).sum().to(f64),
+        ]
+    )  # (3,) samples, tokens, samples with nonzero adv
+    longest = shard.completion_mask.sum(dim=1).max().to(f64) if len(shard) else torch.zeros((), dtype=f64)
+    longest = longest.to(device).reshape(1)  # (1,)
+    if distributed:
+        torch.distributed.all_reduce(counts, group=pg)
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=pg)
+    n_samples, n_tokens, n_nonzero = (int(c) for c in counts.tolist())
+    norm = Normalizer(num_seqs=n_samples, num_tokens=n_tokens, max_len=int(longest) if max_len is None else max_len)
+
+    # (2) local micro-batches; gradients accumulate without communication
+    loss_sum = torch.zeros((), dtype=f64, device=device)
+    stats = LossStats.empty(device, kl=loss_cfg.kl_beta > 0)
+    with model.no_sync() if distributed else contextlib.nullcontext():
+        for i in range(0, len(shard), optim_cfg.micro_batch):
+            mb = shard[i : i + optim_cfg.micro_batch].trim()
+            ref_logp = None
+            if loss_cfg.kl_beta > 0:
+                # the unwrapped module: a reference forward must not touch the DDP reducer
+                with torch.no_grad(), module.disable_adapter():
+                    ref_logp = token_logprobs(module, mb.input_ids, mb.attention_mask, mb.completion_mask)
+            logp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask)  # (b, t)
+            loss, st = grpo_loss(
+                logp,
+                mb.old_logp,
+                ref_logp,
+                mb.adv,
+                mb.completion_mask,
+                clip_eps=loss_cfg.clip_eps,
+                clip_eps_high=loss_cfg.clip_eps_high,
+                kl_beta=loss_cfg.kl_beta,
+                loss_type=loss_cfg.loss_type,
+                norm=norm,
+            )
+            # DDP averages gradients over ranks; the global loss is the SUM of the local ones
+            (loss * world_size).backward()
+            loss_sum += loss.detach().to(f64)
+            stats = stats + st
+
+    # (3) the one synchronizing backward, identical on every rank
+    if distributed:
+        out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
+        (out.logits.sum() * 0.0).backward()
+
+    # (4) clip, step, stats
+    params = [p for p in module.parameters() if p.requires_grad]
+    max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    sums, maxes = stats.pack()
+    sums = torch.cat([sums, loss_sum.reshape(1)])  # (7,)
+    if distributed:
+        torch.distributed.all_reduce(sums, group=pg)
+        torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=pg)
+    return {
+        "loss": float(sums[-1]),
+        **LossStats.unpack(sums[:-1], maxes).summary(),
+        "grad_norm": grad_norm,
+        "samples": float(n_samples),
+        "samples_nonzero_adv": float(n_nonzero),
+    }

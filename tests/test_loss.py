@@ -1,0 +1,289 @@
+"""grpo_kit.loss: hand-computed cases, clip boundaries, a naive per-token reference, masks, normalizers."""
+
+import math
+
+import pytest
+import torch
+
+from grpo_kit.loss import LOSS_TYPES, LossStats, Normalizer, group_advantages, grpo_loss
+
+f64 = torch.float64
+
+
+# ---------------------------------------------------------------- group_advantages
+
+
+def test_group_advantages_hand_computed():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], dtype=f64)
+    # group 0: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5; group 1: all equal -> 0
+    adv = group_advantages(r, 4, scale="group", eps=1e-4)
+    want = torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0], dtype=f64)
+    torch.testing.assert_close(adv, want / torch.tensor([0.5001] * 4 + [1.0] * 4, dtype=f64))
+    torch.testing.assert_close(group_advantages(r, 4, scale="none"), want)
+    torch.testing.assert_close(group_advantages(r, 4, scale="batch", eps=0.0), want / r.std())
+
+
+def test_group_advantages_integer_rewards_become_float():
+    adv = group_advantages(torch.tensor([1, 0, 3, 3]), 2, scale="none")
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == [0.5, -0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "n, group_size, scale",
+    [
+        (7, 4, "group"),  # 7 rewards are not whole groups of 4
+        (4, 0, "none"),  # no group size
+        (4, 1, "group"),  # the std of one reward is undefined
+        (4, 2, "median"),  # unknown scale
+    ],
+)
+def test_group_advantages_rejects(n, group_size, scale):
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(n), group_size, scale=scale)
+
+
+# ---------------------------------------------------------------- grpo_loss: hand-computed
+
+
+def _hand_case():
+    logp = torch.log(torch.tensor([[1.1, 1.5], [0.5, 0.9]], dtype=f64))  # ratios (old_logp = 0)
+    old_logp = torch.zeros(2, 2, dtype=f64)
+    adv = torch.tensor([1.0, -1.0], dtype=f64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    return logp, old_logp, adv, mask
+
+
+@pytest.mark.parametrize(
+    "loss_type, want",
+    [
+        # per-token loss: -1.1 (inside), -1.2 (1.5 clipped to 1.2, A > 0), +0.8 (0.5 clipped to 0.8, A < 0)
+        ("grpo", ((-1.1 - 1.2) / 2 + 0.8) / 2),  # mean of per-sequence means
+        ("dapo", (-1.1 - 1.2 + 0.8) / 3),  # token mean
+        ("dr_grpo", (-1.1 - 1.2 + 0.8) / (2 * 2)),  # sum / (B * T)
+    ],
+)
+def test_grpo_loss_hand_computed(loss_type, want):
+    logp, old_logp, adv, mask = _hand_case()
+    loss, stats = grpo_loss(logp, old_logp, None, adv, mask, clip_eps=0.2, loss_type=loss_type)
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    s = stats.summary()
+    assert s["tokens"] == 3
+    assert s["ratio_mean"] == pytest.approx((1.1 + 1.5 + 0.5) / 3)
+    assert s["ratio_std"] == pytest.approx(torch.tensor([1.1, 1.5, 0.5], dtype=f64).std(correction=0).item())
+    assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(0.5), pytest.approx(1.5))
+    assert (s["clip_low"], s["clip_high"], s["clip_frac"]) == (pytest.approx(1 / 3), pytest.approx(1 / 3), 2 / 3)
+    assert math.isnan(s["kl"])  # no reference given
+
+
+def test_grpo_loss_hand_computed_kl():
+    logp, old_logp, adv, mask = _hand_case()
+    ref_logp = torch.zeros(2, 2, dtype=f64)
+    beta = 0.1
+    loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, kl_beta=beta, loss_type="dapo")
+
+    def k3(r):  # ref - logp = -log r
+        return 1 / r + math.log(r) - 1
+
+    kl = [k3(1.1), k3(1.5), k3(0.5)]
+    assert loss.item() == pytest.approx((-1.1 - 1.2 + 0.8 + beta * sum(kl)) / 3, rel=1e-12)
+    assert stats.summary()["kl"] == pytest.approx(sum(kl) / 3, rel=1e-12)
+
+
+# ---------------------------------------------------------------- clip boundaries
+
+
+def test_clip_boundaries_both_signs():
+    eps, eps_high, d = 0.2, 0.3, 1e-6
+    cases = [
+        # (ratio, adv, clipped?, which count)
+        (1.3 - d, 1.0, False, None),  # just inside the upper clip
+        (1.3 + d, 1.0, True, "high"),  # just outside: the clipped (constant) branch wins
+        (0.8 - d, 1.0, False, None),  # below the lower clip but A > 0: min keeps the ratio term
+        (0.8 + d, -1.0, False, None),  # just inside the lower clip
+        (0.8 - d, -1.0, True, "low"),  # just outside: clipped
+        (1.3 + d, -1.0, False, None),  # above the upper clip but A < 0: min keeps the ratio term
+        (1.0, 0.0, False, None),  # zero advantage: no gradient, never clipped
+    ]
+    ratio = torch.tensor([c[0] for c in cases], dtype=f64)
+    adv = torch.tensor([c[1] for c in cases], dtype=f64)
+    logp = torch.log(ratio)[:, None].requires_grad_()  # (B, 1), old_logp = 0
+    loss, stats = grpo_loss(
+        logp, torch.zeros_like(logp), None, adv, torch.ones(len(cases), 1), clip_eps=eps, clip_eps_high=eps_high
+    )
+    (grad,) = torch.autograd.grad(loss, logp)
+    n = len(cases)
+    # unclipped: d(-ratio * A / n) / dlogp = -A * ratio / n; clipped: 0
+    want = torch.tensor([0.0 if c else -a * r / n for r, a, c, _ in cases], dtype=f64)
+    torch.testing.assert_close(grad[:, 0], want, rtol=1e-12, atol=0)
+    assert stats.clip_low_count.item() == sum(w == "low" for *_, w in cases)
+    assert stats.clip_high_count.item() == sum(w == "high" for *_, w in cases)
+
+
+def test_clip_eps_high_defaults_to_clip_eps():
+    logp = torch.log(torch.tensor([[1.25]], dtype=f64))
+    args = (logp, torch.zeros_like(logp), None, torch.ones(1, dtype=f64), torch.ones(1, 1))
+    assert grpo_loss(*args, clip_eps=0.2)[0].item() == pytest.approx(-1.2)  # clipped at 1 + clip_eps
+    assert grpo_loss(*args, clip_eps=0.2, clip_eps_high=0.28)[0].item() == pytest.approx(-1.25)
+
+
+def test_kl_zero_when_ref_equals_logp():
+    logp, old_logp, adv, mask = _random_case(seed=1)
+    logp.requires_grad_()
+    with_kl, st = grpo_loss(logp, old_logp, logp.detach(), adv, mask, kl_beta=0.5)
+    without, _ = grpo_loss(logp, old_logp, None, adv, mask)
+    assert st.kl_sum.item() == 0.0
+    assert with_kl.item() == without.item()
+    g1, g2 = (torch.autograd.grad(x, logp)[0] for x in (with_kl, without))
+    torch.testing.assert_close(g1, g2, rtol=0, atol=1e-15)  # k3 has zero slope at ref == logp
+
+
+# ---------------------------------------------------------------- a naive per-token reference
+
+
+def _random_case(seed, B=5, T=7):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=f64) * 3  # (B, T)
+    old_logp = logp + 0.4 * torch.randn(B, T, generator=g, dtype=f64)  # ratios on both sides of the clips
+    adv = torch.randn(B, generator=g, dtype=f64)
+    adv[1] = 0.0
+    mask = torch.rand(B, T, generator=g) < 0.7
+    mask[2] = False  # a sequence without tokens
+    mask[0, 0] = True
+    return logp, old_logp, adv, mask
+
+
+def _naive_loss(logp, old_logp, ref_logp, adv, mask, eps, eps_high, beta, loss_type, max_len=None):
+    """Token by token, with the clip written as branches instead of min/clamp."""
+    B, T = logp.shape
+    seq_sums, seq_counts = [], []
+    for b in range(B):
+        total, count = torch.zeros((), dtype=f64), 0
+        for t in range(T):
+            if not mask[b, t]:
+                continue
+            r = torch.exp(logp[b, t] - old_logp[b, t])
+            a = adv[b]
+            if a > 0 and r > 1 + eps_high:
+                surr = (1 + eps_high) * a
+            elif a < 0 and r < 1 - eps:
+                surr = (1 - eps) * a
+            else:
+                surr = r * a
+            tok = -surr
+            if beta:
+                d = ref_logp[b, t] - logp[b, t]
+                tok = tok + beta * (torch.exp(d) - d - 1)
+            total, count = total + tok, count + 1
+        seq_sums.append(total)
+        seq_counts.append(count)
+    if loss_type == "grpo":
+        return sum(s / max(c, 1) for s, c in zip(seq_sums, seq_counts, strict=True)) / B
+    if loss_type == "dapo":
+        return sum(seq_sums) / max(sum(seq_counts), 1)
+    return sum(seq_sums) / (B * (max_len or T))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("kl_beta, eps_high", [(0.0, None), (0.1, 0.28)])
+def test_gradients_match_naive_loop(loss_type, kl_beta, eps_high):
+    logp, old_logp, adv, mask = _random_case(seed=0)
+    ref_logp = logp.detach() + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(9), dtype=f64)
+    logp.requires_grad_()
+    kw = dict(clip_eps=0.2, clip_eps_high=eps_high, kl_beta=kl_beta, loss_type=loss_type)
+    loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, **kw)
+    want = _naive_loss(logp, old_logp, ref_logp, adv, mask, 0.2, eps_high or 0.2, kl_beta, loss_type)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    (g,) = torch.autograd.grad(loss, logp)
+    (g_want,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-15)
+    assert stats.clip_low_count.item() + stats.clip_high_count.item() > 0  # the case exercises the clips
+
+
+# ---------------------------------------------------------------- masks and empty sequences
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_garbage_off_the_mask_changes_nothing(loss_type):
+    logp, old_logp, adv, mask = _random_case(seed=2)
+    ref_logp = logp + 0.1
+    off = ~mask
+
+    def run(lp, old, ref):
+        lp = lp.clone().requires_grad_()
+        loss, st = grpo_loss(lp, old, ref, adv, mask, kl_beta=0.1, loss_type=loss_type)
+        return loss, torch.autograd.grad(loss, lp)[0], st
+
+    clean = run(logp, old_logp, ref_logp)
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e4], dtype=f64).repeat(20)[: int(off.sum())]
+    dirty = [x.clone() for x in (logp, old_logp, ref_logp)]
+    for x in dirty:
+        x[off] = junk
+    got = run(*dirty)
+    assert got[0].item() == clean[0].item()
+    torch.testing.assert_close(got[1], clean[1], rtol=0, atol=0)
+    assert (got[1][off] == 0).all()
+    assert got[2].summary() == clean[2].summary()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_no_tokens_no_nan(loss_type):
+    logp = torch.randn(3, 4, dtype=f64, requires_grad=True)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    loss, stats = grpo_loss(
+        logp, logp.detach(), logp.detach(), torch.ones(3, dtype=f64), mask, kl_beta=0.1, loss_type=loss_type
+    )
+    assert loss.item() == 0.0
+    assert torch.autograd.grad(loss, logp)[0].abs().sum().item() == 0.0
+    assert stats.summary()["tokens"] == 0
+    empty, _ = grpo_loss(
+        *(torch.zeros(0, 0, dtype=f64),) * 3, torch.zeros(0, dtype=f64), torch.zeros(0, 0), loss_type=loss_type
+    )
+    assert empty.item() == 0.0
+
+
+def test_rejects_bad_arguments():
+    logp, old_logp, adv, mask = _random_case(seed=3)
+    with pytest.raises(ValueError, match="ref_logp"):
+        grpo_loss(logp, old_logp, None, adv, mask, kl_beta=0.1)
+    with pytest.raises(ValueError, match="loss_type"):
+        grpo_loss(logp, old_logp, None, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="shape|expected"):
+        grpo_loss(logp, old_logp, None, adv[:-1], mask)
+
+
+# ---------------------------------------------------------------- global normalizers and stats
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_norm_override_sums_parts_to_the_whole(loss_type):
+    logp, old_logp, adv, mask = _random_case(seed=4, B=6)
+    ref_logp = logp + 0.2
+    logp.requires_grad_()
+    kw = dict(clip_eps=0.2, clip_eps_high=0.3, kl_beta=0.05, loss_type=loss_type)
+    # uneven parts, the second trimmed to fewer columns as a micro-batch would be
+    parts = [(slice(0, 1), slice(None)), (slice(1, 6), slice(0, 5))]
+    mask = mask.clone()
+    mask[1:, 5:] = False
+    norm = Normalizer(num_seqs=6, num_tokens=int(mask.sum()), max_len=logp.shape[1])
+    full, full_stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, **kw)
+    total, stats = 0.0, LossStats.empty()
+    for rows, cols in parts:
+        loss, st = grpo_loss(
+            logp[rows, cols], old_logp[rows, cols], ref_logp[rows, cols], adv[rows], mask[rows, cols], norm=norm, **kw
+        )
+        total, stats = total + loss, stats + st
+    assert total.item() == pytest.approx(full.item(), rel=1e-12)
+    g_full, g_parts = (torch.autograd.grad(x, logp)[0] for x in (full, total))
+    torch.testing.assert_close(g_parts, g_full, rtol=1e-12, atol=1e-15)
+    # stats combine exactly, also through the packed form an all-reduce would carry
+    assert stats.summary() == pytest.approx(full_stats.summary(), rel=1e-12)
+    assert LossStats.unpack(*stats.pack()).summary() == stats.summary()
+
+
+def test_dr_grpo_max_len_is_a_constant():
+    logp, old_logp, adv, mask = _random_case(seed=5)
+    B, T = logp.shape
+    a, _ = grpo_loss(logp, old_logp, None, adv, mask, loss_type="dr_grpo")
+    b, _ = grpo_loss(logp, old_logp, None, adv, mask, loss_type="dr_grpo", norm=Normalizer(B, 0, 4 * T))
+    assert b.item() == pytest.approx(a.item() / 4, rel=1e-12)

@@ -1,0 +1,259 @@
+"""Tests for grpo_kit.reward: every GSM8K gold solution against itself, tables of tricky completions, and
+garbage / empty / enormous inputs that must score 0 with a reason, quickly, without raising."""
+
+from __future__ import annotations
+
+import json
+import time
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from grpo_kit.reward import MAX_CHARS, RewardResult, extract_answer, gsm8k_reward, reward_batch
+
+GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+GSM8K_ROWS = 8792  # 7,473 train + 1,319 test
+
+
+def _gold_rows() -> list[tuple[str, str]]:
+    """(answer text, gold as written on its ``#### `` line) for every row of train and test."""
+    rows = []
+    for name in ("train.jsonl", "test.jsonl"):
+        path = GSM8K_DIR / name
+        # No skip: a missing file must fail loudly, or the test that guards the marker convention vanishes.
+        assert path.is_file(), f"GSM8K data missing: {path}"
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                answer = json.loads(line)["answer"]
+                last = answer.rstrip().splitlines()[-1]
+                assert last.startswith("#### "), f"{name}: last line is not '#### <n>': {last!r}"
+                rows.append((answer, last.removeprefix("#### ").strip()))
+    return rows
+
+
+def test_every_gsm8k_gold_solution_scores_correct():
+    rows = _gold_rows()
+    assert len(rows) == GSM8K_ROWS
+    failures = []
+    for answer, gold_text in rows:
+        gold = int(gold_text.replace(",", ""))  # parsed independently of the code under test
+        for g in (gold, gold_text):  # the gold as a number and as the string from the data ("1,000")
+            r = gsm8k_reward(answer, g, format_bonus=0.5)
+            if (r.score, r.parsed, r.reason) != (1.5, gold, "correct"):
+                failures.append((gold_text, g, r))
+    assert not failures, f"{len(failures)} gold solutions not scored correct, e.g. {failures[:3]}"
+
+
+# (completion, lenient, expected number or None). Each row says why it is there.
+EXTRACT_CASES = [
+    ("#### 72", False, 72),  # the GSM8K form itself
+    ("#### 5\nwait, no.\n#### 7", False, 7),  # several markers: the last one wins
+    ("#### 7\n... on reflection 5 is right", False, 7),  # numbers after the answer line do not override it
+    ("#### 1,000", False, 1000),  # thousands separator
+    ("#### $1,000.00", False, 1000),  # dollar, separator and cents all at once
+    ("#### 109,200,000", False, 109_200_000),  # several separators (a real GSM8K gold)
+    ("#### -47", False, -47),  # negatives exist in GSM8K golds
+    ("#### \u22125", False, -5),  # the Unicode minus sign, as some tokenizers/models write it
+    ("#### -$5", False, -5),  # sign before the dollar
+    ("#### $-5", False, -5),  # sign after the dollar
+    ("#### $ 5", False, 5),  # a space after the dollar
+    ("#### +7", False, 7),  # an explicit plus sign
+    ("#### 18.00", False, 18),  # trailing zeros in the decimal part
+    ("#### 0.5", False, 0.5),  # a genuine decimal
+    ("#### .5", False, 0.5),  # a decimal with no leading zero
+    ("#### 5.", False, 5),  # a full stop after the number is punctuation, not a decimal point
+    ("####    42   ", False, 42),  # spaces around the number
+    ("####\n42", False, 42),  # the number on the line after the marker
+    ("####42", False, 42),  # no space after the marker
+    ("#### 42 apples in total.", False, 42),  # text after the number
+    ("#### 12 km", False, 12),  # a unit after the number
+    ("#### 5, 6", False, 5),  # a list after the marker: the first number is the answer
+    ("The answer is #### 42", False, 42),  # the marker mid-line
+    ("#### ", False, None),  # marker with no number
+    ("#### the answer is 42", False, None),  # marker followed by words: the number must come first
+    ("#### 42\n#### ", False, None),  # the last marker has no number, even though an earlier one did
+    ("#### $", False, None),  # a dollar sign alone
+    ("#### 1e3", False, None),  # scientific notation is rejected, never read as 1
+    ("#### 3/4", False, None),  # a fraction is rejected, never read as 3
+    ("#### 3 / 4", False, None),  # ... spaces around the bar too
+    ("#### 2^10", False, None),  # a power is rejected, never read as 2
+    ("#### 1.2.3", False, None),  # a version-like string is rejected, never read as 1.2
+    ("#### 0x1F", False, None),  # hex is rejected, never read as 0
+    ("#### \u0664\u0662", False, None),  # non-ASCII digits are not numbers here (documented limit)
+    ("#### inf", False, None),  # float() would accept these words; the parser must not
+    ("#### nan", False, None),  # ... nor this one
+    ("The answer is 42.", False, None),  # no marker, strict mode: no answer
+    ("The answer is 42.", True, 42),  # lenient fallback: the last number in the text
+    ("3 + 4 = 7, so she has 7 apples", True, 7),  # lenient: the last of several numbers
+    ("She paid $1,234.50 in total.", True, 1234.5),  # lenient: dollar, separator and decimal
+    ("The change is -12 dollars", True, -12),  # lenient: a negative
+    ("It is 10 - 5", True, 5),  # lenient: a binary minus is not a sign
+    ("#### 9\nbut really 5", True, 9),  # lenient never overrides a marker
+    ("####\nno idea", True, None),  # lenient falls back only when there is no marker at all
+    ("no numbers at all", True, None),  # lenient with nothing to find
+    ("x = 1e3", True, None),  # lenient: a malformed last number is rejected, not read as 1 or 3
+    ("abc123", True, None),  # lenient: digits inside a word are not a number
+    ("ratio 3/4", True, None),  # lenient: a trailing fraction is rejected, not read as 4
+]
+
+
+@pytest.mark.parametrize(("text", "lenient", "expected"), EXTRACT_CASES)
+def test_extract_answer(text, lenient, expected):
+    got = extract_answer(text, lenient=lenient)
+    assert got == expected
+    assert got is None or isinstance(got, float)
+
+
+def test_extract_answer_custom_marker():
+    # Another task's marker; "####" is then ordinary text.
+    assert extract_answer("#### 1\nAnswer: 2", marker="Answer:") == 2
+    assert extract_answer("#### 1", marker="Answer:") is None
+
+
+# (completion, gold, kwargs, expected RewardResult). Each row says why it is there.
+REWARD_CASES = [
+    ("#### 72", 72, {}, RewardResult(1.0, 72.0, "correct")),  # the plain case
+    ("#### 18.00", 18, {}, RewardResult(1.0, 18.0, "correct")),  # numeric, not string, equality
+    ("#### 18", "18.00", {}, RewardResult(1.0, 18.0, "correct")),  # ... whichever side has the zeros
+    ("#### $1,000.00", "1,000", {}, RewardResult(1.0, 1000.0, "correct")),  # a string gold with a separator
+    ("#### 1000", 1000.0, {}, RewardResult(1.0, 1000.0, "correct")),  # a float gold
+    ("#### 0.75", Fraction(3, 4), {}, RewardResult(1.0, 0.75, "correct")),  # any real number type as gold
+    ("#### 0.5", Decimal("0.50"), {}, RewardResult(1.0, 0.5, "correct")),  # ... Decimal too
+    ("#### -3", -3, {}, RewardResult(1.0, -3.0, "correct")),  # negative gold
+    ("#### -0", 0, {}, RewardResult(1.0, -0.0, "correct")),  # minus zero is zero
+    ("#### 12", 13, {}, RewardResult(0.0, 12.0, "wrong answer 12 != 13")),  # wrong: the reason shows both
+    ("#### 12.5", 13, {}, RewardResult(0.0, 12.5, "wrong answer 12.5 != 13")),  # wrong, non-integer
+    ("#### 13\n#### 12", 13, {}, RewardResult(0.0, 12.0, "wrong answer 12 != 13")),  # last marker wins
+    # format bonus: added to a correct answer in '#### <n>' form ...
+    ("#### 72", 72, {"format_bonus": 0.1}, RewardResult(1.1, 72.0, "correct")),
+    # ... and, by design, to a well-formed wrong one (a format signal before correctness is learned)
+    ("#### 71", 72, {"format_bonus": 0.1}, RewardResult(0.1, 71.0, "wrong answer 71 != 72")),
+    # ... but never to an answer found by the lenient fallback
+    ("so 72", 72, {"format_bonus": 0.1, "lenient": True}, RewardResult(1.0, 72.0, "correct (no '####', last number)")),
+    ("so 71", 72, {"format_bonus": 0.1, "lenient": True}, RewardResult(0.0, 71.0, "wrong answer 71 != 72")),
+    # ... nor to a marker with no number
+    ("#### ", 72, {"format_bonus": 0.1}, RewardResult(0.0, None, "no number after '####': ''")),
+    ("The answer is 72.", 72, {}, RewardResult(0.0, None, "no '####' answer")),  # strict: no marker, no score
+    ("no idea", 72, {"lenient": True}, RewardResult(0.0, None, "no '####' answer and no number")),  # lenient, empty
+    ("", 72, {}, RewardResult(0.0, None, "empty completion")),  # empty
+    (" \n\t ", 72, {}, RewardResult(0.0, None, "empty completion")),  # whitespace only is empty too
+]
+
+
+@pytest.mark.parametrize(("completion", "gold", "kw", "expected"), REWARD_CASES)
+def test_gsm8k_reward(completion, gold, kw, expected):
+    assert gsm8k_reward(completion, gold, **kw) == expected
+
+
+GARBAGE = [
+    "",  # empty
+    "\x00\x01\x02\ufffd",  # control characters and a replacement character
+    "🙂" * 1000,  # non-ASCII, no numbers
+    "####" * 1000,  # only markers
+    "#### #### ####",  # markers with nothing after any of them
+    "$$$---+++,,,...",  # only the characters a number may contain, in no valid order
+    "#### " + "-$" * 10_000,  # signs and dollars, never a digit
+    "#### 1e" + "9" * 1000,  # an exponent with a long tail
+    "\u2212" * 5000,  # Unicode minus signs only
+]
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+@pytest.mark.parametrize("text", GARBAGE)
+def test_garbage_scores_zero_with_reason(text, lenient):
+    r = gsm8k_reward(text, 24, format_bonus=0.1, lenient=lenient)
+    assert r.score == 0.0 and r.parsed is None and r.reason
+
+
+# Inputs built to make a backtracking parser go quadratic or worse, each just under the length cap.
+_N = MAX_CHARS // 2 - 10
+PATHOLOGICAL = [
+    "9" * (2 * _N) + "e5",  # one long digit run that ends malformed
+    "1," * _N,  # separators forever
+    "1." * _N + "x",  # decimal points forever
+    "1/" * _N,  # fractions forever
+    "-$" * _N,  # sign/dollar prefixes forever, never a digit
+    "#### " + " " * (2 * _N) + "x",  # whitespace after the marker, then no number
+    "a1" * _N,  # digits glued to words
+    "####" * (_N // 2),  # markers forever
+]
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+@pytest.mark.parametrize("text", PATHOLOGICAL, ids=lambda t: repr(t[:6]))
+def test_pathological_input_is_fast(text, lenient):
+    assert len(text) <= MAX_CHARS
+    t0 = time.perf_counter()
+    r = gsm8k_reward(text, 5, lenient=lenient)
+    # Linear parsing takes milliseconds here; a backtracking one takes minutes. The bound leaves room for slow CI.
+    assert time.perf_counter() - t0 < 1.0
+    assert r.score == 0.0 and r.reason
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_enormous_input_is_rejected_fast(lenient):
+    text = "#### 5 " + "9" * 10_000_000  # 10 MB, with a correct-looking answer at the front
+    t0 = time.perf_counter()
+    r = gsm8k_reward(text, 5, format_bonus=0.1, lenient=lenient)
+    assert time.perf_counter() - t0 < 0.5
+    assert r == RewardResult(0.0, None, f"input too long ({len(text)} chars > {MAX_CHARS})")
+    assert extract_answer(text, lenient=lenient) is None
+
+
+def test_max_chars_is_a_knob():
+    assert gsm8k_reward("#### 5", 5, max_chars=5).reason.startswith("input too long")
+    assert gsm8k_reward("#### 5", 5, max_chars=6).reason == "correct"
+    assert extract_answer("#### 5", max_chars=5) is None
+
+
+def test_huge_number_is_a_wrong_answer_not_an_exception():
+    # float() turns a 50,000-digit number into inf; it must compare unequal, not raise.
+    r = gsm8k_reward("#### " + "9" * 50_000, 5)
+    assert r.score == 0.0 and r.parsed == float("inf") and r.reason == "wrong answer inf != 5"
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "error"),
+    [
+        (None, 5, TypeError),  # a non-string completion is a caller bug, not model output: it raises
+        (b"#### 5", 5, TypeError),  # bytes are not decoded silently
+        ("#### 5", "five", ValueError),  # an unparseable gold is a data bug
+        ("#### 5", "", ValueError),  # ... an empty one too
+        ("#### 5", True, TypeError),  # a bool is an int, but never a gold answer
+        ("#### 5", None, TypeError),  # a missing gold
+        ("#### 5", float("nan"), ValueError),  # nan would make every answer wrong, silently
+        ("#### 5", float("inf"), ValueError),  # inf would match an overflowing answer
+    ],
+)
+def test_caller_bugs_raise(completion, gold, error):
+    with pytest.raises(error):
+        gsm8k_reward(completion, gold)
+
+
+@pytest.mark.parametrize("bonus", [-0.1, float("nan"), float("inf")])
+def test_bad_format_bonus_raises(bonus):
+    with pytest.raises(ValueError, match="format_bonus"):
+        gsm8k_reward("#### 5", 5, format_bonus=bonus)
+
+
+def test_empty_marker_raises():
+    with pytest.raises(ValueError, match="marker"):
+        extract_answer("#### 5", marker="")
+
+
+def test_result_is_frozen():
+    r = gsm8k_reward("#### 5", 5)
+    with pytest.raises(AttributeError):
+        r.score = 2.0
+
+
+def test_reward_batch():
+    completions, golds = ["#### 1", "#### 2", "so 3", ""], [1, "1", 3, 4]
+    rs = reward_batch(completions, golds, lenient=True, format_bonus=0.5)
+    assert [r.score for r in rs] == [1.5, 0.5, 1.0, 0.0]
+    assert rs == [gsm8k_reward(c, g, lenient=True, format_bonus=0.5) for c, g in zip(completions, golds, strict=True)]
+    assert reward_batch([], []) == []
+    with pytest.raises(ValueError, match="2 completions but 1 golds"):
+        reward_batch(["#### 1", "#### 2"], [1])

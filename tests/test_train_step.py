@@ -1,0 +1,375 @@
+"""grpo_kit.train_step: token log-probs, collate, and the DDP step against a single-process reference.
+
+The distributed tests run real gloo process groups (spawned ranks, one spawn per world size running
+several cases). Every rank must finish, report identical stats, and end with the same LoRA update
+as one process stepping on the whole batch.
+"""
+
+import datetime
+import math
+import socket
+import time
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from peft import LoraConfig, get_peft_model
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from grpo_kit.config import LossConfig, OptimConfig
+from grpo_kit.loss import Normalizer, grpo_loss
+from grpo_kit.train_step import (
+    TrainBatch,
+    collate,
+    grpo_step,
+    make_optimizer,
+    shard_bounds,
+    token_logprobs,
+    wrap_ddp,
+)
+
+VOCAB = 32
+LR = 0.5  # SGD: the update is proportional to the gradient, so a wrong scale shows (Adam would hide it)
+
+
+def tiny_model(seed: int = 0):
+    """A random float64 Qwen3 with a LoRA adapter whose B matrices are non-zero (so the adapter
+    changes the logits and the KL to the adapter-disabled model is exercised)."""
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    base = Qwen3ForCausalLM(cfg).to(torch.float64)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def lora_params(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def make_batch(n: int, seed: int, zero_adv: range = range(0)) -> TrainBatch:
+    """``n`` random samples (one with an empty completion), float64; ``zero_adv`` rows get adv 0."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        p = int(torch.randint(1, 5, (1,), generator=g))
+        c = 0 if i == 1 else int(torch.randint(1, 7, (1,), generator=g))
+        prompt = torch.randint(1, VOCAB, (p,), generator=g).tolist()
+        completion = torch.randint(1, VOCAB, (c,), generator=g).tolist()
+        # near the model's own log-probs (~ -log 32), so ratios straddle both clips
+        old = (-math.log(VOCAB) + 0.5 * torch.randn(c, generator=g, dtype=torch.float64)).tolist()
+        adv = 0.0 if i in zero_adv else float(torch.randn((), generator=g, dtype=torch.float64))
+        samples.append((prompt, completion, old, adv))
+    return collate(samples, pad_id=0, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- world size 1
+
+
+def test_collate_alignment():
+    b = collate([([5, 6], [7, 8, 9], [-1.0, -2.0, -3.0], 0.5), ([4], [], [], -1.0)], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 0, 0, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert b.completion_mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 0]]
+    assert b.old_logp.tolist() == [[0, 0, -1.0, -2.0, -3.0], [0, 0, 0, 0, 0]]
+    assert b.adv.tolist() == [0.5, -1.0]
+    assert b[1:].trim().input_ids.tolist() == [[4]]
+    with pytest.raises(ValueError, match="empty prompt"):
+        collate([([], [1], [-1.0], 0.0)], pad_id=0)
+    with pytest.raises(ValueError, match="log-probs"):
+        collate([([1], [1, 2], [-1.0], 0.0)], pad_id=0)
+
+
+def test_token_logprobs_matches_naive_per_position():
+    model = tiny_model()
+    batch = make_batch(5, seed=1)
+    got = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk=3)
+    want = torch.zeros_like(got)
+    with torch.no_grad():
+        for b in range(len(batch)):
+            for t in range(1, batch.input_ids.shape[1]):
+                if batch.completion_mask[b, t]:
+                    # the unpadded prefix alone: padding and later tokens cannot leak in
+                    logits = model(input_ids=batch.input_ids[b : b + 1, :t]).logits[0, -1]
+                    want[b, t] = torch.log_softmax(logits, dim=-1)[batch.input_ids[b, t]]
+    assert got.shape == batch.input_ids.shape
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert (got[batch.completion_mask == 0] == 0).all()
+
+
+def test_token_logprobs_upcasts_half_logits_and_keeps_gradients():
+    model = tiny_model().to(torch.bfloat16)
+    batch = make_batch(3, seed=2)
+    got = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    assert got.dtype == torch.float32 and got.requires_grad
+    got.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
+
+
+def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False):
+    """The plain single-process update(s): the whole batch in one forward, no sharding, no micro-batches."""
+    model = tiny_model()
+    opt = make_optimizer(model, optim_cfg) if adamw else torch.optim.SGD(model.parameters(), lr=LR)
+    before = lora_params(model)
+    for batch in batches:
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        ref_logp = None
+        if loss_cfg.kl_beta > 0:
+            with torch.no_grad(), model.disable_adapter():
+                ref_logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        norm = None
+        if loss_cfg.loss_type == "dr_grpo":  # sum / (B * max_len), max_len the longest completion or given
+            longest = int(batch.completion_mask.sum(dim=1).max())
+            norm = Normalizer(len(batch), int(batch.completion_mask.sum()), max_len or longest)
+        loss, st = grpo_loss(
+            logp,
+            batch.old_logp,
+            ref_logp,
+            batch.adv,
+            batch.completion_mask,
+            clip_eps=loss_cfg.clip_eps,
+            clip_eps_high=loss_cfg.clip_eps_high,
+            kl_beta=loss_cfg.kl_beta,
+            loss_type=loss_cfg.loss_type,
+            norm=norm,
+        )
+        loss.backward()
+        max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm))
+        opt.step()
+        opt.zero_grad()
+    after = lora_params(model)
+    stats = {"loss": loss.item(), **st.summary(), "grad_norm": grad_norm}
+    return {k: after[k] - before[k] for k in after}, stats
+
+
+def _rel_err(got: dict, want: dict) -> float:
+    num = sum(float((got[k] - want[k]).pow(2).sum()) for k in want)
+    den = sum(float(want[k].pow(2).sum()) for k in want)
+    return math.sqrt(num / den)
+
+
+def _assert_stats_close(got: dict, want: dict, rel=1e-8):
+    for k, v in want.items():
+        if math.isnan(v):
+            assert math.isnan(got[k]), k
+        else:
+            assert got[k] == pytest.approx(v, rel=rel, abs=1e-12), k
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_single_process_step_matches_reference(loss_type, monkeypatch):
+    def no_collectives(*a, **k):
+        raise AssertionError("world_size 1 must not call torch.distributed")
+
+    for name in ("all_reduce", "broadcast", "all_gather", "get_rank", "get_world_size", "barrier"):
+        monkeypatch.setattr(dist, name, no_collectives)
+    batch = make_batch(5, seed=3)
+    loss_cfg = LossConfig(loss_type=loss_type, kl_beta=0.05, clip_eps_high=0.28)
+    optim_cfg = OptimConfig(micro_batch=2, max_grad_norm=10.0)
+    model = tiny_model()
+    before = lora_params(model)
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg)
+    delta = {k: v - before[k] for k, v in lora_params(model).items()}
+    want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg)
+    assert _rel_err(delta, want_delta) < 1e-10
+    _assert_stats_close(stats, want_stats)
+    assert stats["samples"] == 5 and stats["clip_frac"] > 0 and stats["kl"] > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_make_optimizer_and_shard_bounds():
+    model = tiny_model()
+    opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
+    assert isinstance(opt, torch.optim.AdamW)
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == trainable
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert [shard_bounds(5, r, 3) for r in range(3)] == [(0, 2), (2, 4), (4, 5)]  # numpy.array_split
+    assert [shard_bounds(2, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 2)]
+    assert [shard_bounds(4, r, 3, [2, 0, 2]) for r in range(3)] == [(0, 2), (2, 2), (2, 4)]
+    with pytest.raises(ValueError):
+        shard_bounds(4, 0, 2, [1, 1])
+
+
+def test_single_process_rejects_world_size_without_ddp():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="DDP"):
+        grpo_step(
+            model, make_optimizer(model, OptimConfig()), make_batch(2, 0), LossConfig(), OptimConfig(), world_size=2
+        )
+
+
+# ---------------------------------------------------------------- real gloo process groups
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    loss: LossConfig
+    optim: OptimConfig
+    n: int
+    shard_sizes: tuple[int, ...] | None = None
+    zero_adv_rank: int | None = None  # that rank's samples all get advantage 0
+    max_len: int | None = None
+    steps: int = 1
+    adamw: bool = False
+
+    def batches(self, world_size: int) -> list[TrainBatch]:
+        zero = range(0)
+        if self.zero_adv_rank is not None:
+            zero = range(*shard_bounds(self.n, self.zero_adv_rank, world_size, self.shard_sizes))
+        return [make_batch(self.n, seed=100 + s, zero_adv=zero) for s in range(self.steps)]
+
+
+KL = LossConfig(kl_beta=0.05)
+CASES = {
+    2: [
+        # rank 0 empty in both steps (step 2 also covers DDP's bucket rebuild after the first sync)
+        Case("grpo_empty_shard", KL, OptimConfig(micro_batch=2, max_grad_norm=10.0), n=5, shard_sizes=(0, 5), steps=2),
+        Case(
+            "dapo_uneven_clip_higher",
+            replace(KL, loss_type="dapo", clip_eps_high=0.28),
+            OptimConfig(micro_batch=3, max_grad_norm=0.05, lr=1e-2),  # the clip is active
+            n=5,
+            shard_sizes=(4, 1),
+            adamw=True,
+        ),
+        Case(
+            "dr_grpo_zero_adv_no_kl",
+            LossConfig(loss_type="dr_grpo", kl_beta=0.0),
+            OptimConfig(micro_batch=2, max_grad_norm=10.0),
+            n=6,
+            zero_adv_rank=1,
+            max_len=8,
+        ),
+    ],
+    3: [
+        Case("grpo_array_split", KL, OptimConfig(micro_batch=2, max_grad_norm=10.0), n=7, zero_adv_rank=2),
+        Case(
+            "dapo_empty_middle",
+            replace(KL, loss_type="dapo", kl_beta=0.0),
+            OptimConfig(micro_batch=1, max_grad_norm=10.0),
+            n=4,
+            shard_sizes=(2, 0, 2),
+            steps=2,
+        ),
+        # array_split of 2 samples over 3 ranks leaves the last one empty
+        Case(
+            "dr_grpo_tiny_batch", replace(KL, loss_type="dr_grpo"), OptimConfig(micro_batch=4, max_grad_norm=10.0), n=2
+        ),
+    ],
+}
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        results = {}
+        for case in CASES[world_size]:
+            model = tiny_model()
+            before = lora_params(model)
+            ddp = wrap_ddp(model)
+            opt = make_optimizer(model, case.optim) if case.adamw else torch.optim.SGD(model.parameters(), lr=LR)
+            for batch in case.batches(world_size):
+                kw = dict(rank=rank, world_size=world_size, shard_sizes=case.shard_sizes, max_len=case.max_len)
+                stats = grpo_step(ddp, opt, batch, case.loss, case.optim, **kw)
+            results[case.name] = ({k: v - before[k] for k, v in lora_params(model).items()}, stats)
+        dist.destroy_process_group()
+        torch.save(results, out / f"rank{rank}.pt")
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world_size: int, out_dir: Path, timeout: float = 150.0) -> list[dict]:
+    """Run ``_worker`` on ``world_size`` ranks; kill them all and fail on a hang or an error."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, str(out_dir)), daemon=True) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    errors = {f.name: f.read_text() for f in sorted(out_dir.glob("*.err"))}
+    assert not hung, f"ranks {hung} still running after {timeout} s (killed); errors: {errors}"
+    assert all(p.exitcode == 0 for p in procs), f"exit codes {[p.exitcode for p in procs]}; errors: {errors}"
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_step_matches_single_process(world_size, tmp_path):
+    results = _spawn(world_size, tmp_path)
+    for case in CASES[world_size]:
+        batches = case.batches(world_size)
+        want_delta, want_stats = _reference_step(batches, case.loss, case.optim, case.max_len, case.adamw)
+        rank0 = results[0][case.name][1]
+        for rank, res in enumerate(results):
+            delta, stats = res[case.name]
+            assert _rel_err(delta, want_delta) <= 1e-5, (case.name, rank, _rel_err(delta, want_delta))
+            # every rank reports the same (all-reduced) stats
+            assert stats.keys() == rank0.keys()
+            assert all(stats[k] == rank0[k] or (math.isnan(stats[k]) and math.isnan(rank0[k])) for k in stats)
+        _assert_stats_close(rank0, want_stats, rel=1e-6)
+        # the scenarios are what they claim to be
+        last = batches[-1]
+        assert rank0["samples"] == case.n
+        assert rank0["samples_nonzero_adv"] == int((last.adv != 0).sum())
+        assert rank0["tokens"] == int(last.completion_mask.sum())
+        assert rank0["clip_frac"] > 0
+        assert (rank0["kl"] > 0) if case.loss.kl_beta > 0 else math.isnan(rank0["kl"])
+        if case.zero_adv_rank is not None:
+            assert 0 < rank0["samples_nonzero_adv"] < case.n
+
+
+def test_ddp_requires_broadcast_buffers_false():
+    # checked before any collective, so an unreachable process group is fine here
+    model = tiny_model()
+    fake = torch.nn.parallel.DistributedDataParallel.__new__(torch.nn.parallel.DistributedDataParallel)
+    torch.nn.Module.__init__(fake)
+    fake.module, fake.broadcast_buffers, fake.process_group = model, True, None
+    with pytest.raises(ValueError, match="broadcast_buffers"):
+        grpo_step(
+            fake, make_optimizer(model, OptimConfig()), make_batch(2, 0), LossConfig(), OptimConfig(), world_size=2
+        )
