@@ -165,11 +165,17 @@ class ClusterConfig:
     """Trainer ranks (one Dask worker each); 1 runs without DDP."""
     threads_per_worker: int = 1
     """Torch threads per worker process."""
+    collective_timeout_s: float = 120.0
+    """Bound on the trainer gang's rendezvous and every collective (a dead rank fails the step)."""
+    max_restarts: int = 2
+    """Times the trainer gang is re-formed after a failure before the run fails."""
 
     def __post_init__(self) -> None:
         _check(self.n_rollout_workers >= 1, f"n_rollout_workers must be >= 1, got {self.n_rollout_workers}")
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _check(self.threads_per_worker >= 1, f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+        _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        _check(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,348 @@
+"""Dask dispatch: the cluster, worker roles, warm rollout engines, and the gang-scheduled trainer.
+
+Roles are Dask worker *resources*: a worker advertising ``rollout=1`` hosts a warm engine, one
+advertising ``trainer=1`` hosts a trainer rank. :func:`connect` starts a ``LocalCluster`` whose
+workers carry those resources (non-daemonic processes, so a vLLM engine or a process group can
+live inside them), or connects to an existing scheduler whose workers were started with
+``--resources rollout=1`` / ``--resources trainer=1`` (dask-jobqueue: ``worker_extra_args``;
+dask-kubernetes: the worker command's args).
+
+- Rollout, reward and eval are ordinary Dask tasks: rollout and eval need ``rollout=1``, so Dask
+  places them on engine workers and re-runs them elsewhere if a worker dies (Dask's own
+  recomputation of lost tasks, plus ``retries`` for raised errors). The engine is worker-resident
+  (:class:`EnginePlugin`): built on first use, then reused; only adapters are fetched per version.
+- Training is a gang (:class:`TrainerGang`): ``world_size`` rank tasks pinned to distinct trainer
+  workers, rendezvous at rank 0's host on a free port, bounded timeouts. If a rank fails, the
+  gang is re-formed from the store's last version, up to ``max_restarts`` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import replace
+
+import dask
+from distributed import Client, Nanny, WorkerPlugin, get_worker, wait
+from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPluginBase  # noqa: F401  (documentation)
+
+from .adapters import AdapterStore
+from .config import Config
+from .data import Problem
+from .reward import gsm8k_reward
+from .rollout import Rollout
+from .trainer import RankSpec, teardown, train_rank
+
+log = logging.getLogger(__name__)
+
+ENGINE_PLUGIN = "grpo-kit-engine"
+ROLLOUT, TRAINER = "rollout", "trainer"
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+
+def connect(
+    address: str | None = None,
+    *,
+    n_rollout_workers: int = 1,
+    n_trainer_workers: int = 1,
+    threads_per_worker: int = 1,
+    pin_cpus: bool = False,
+    security=None,
+    quiet: bool = False,
+) -> Client:
+    """A Dask client: to ``address`` if given, else to a new ``LocalCluster`` on 127.0.0.1.
+
+    The local cluster has ``n_rollout_workers`` workers with ``rollout=1`` and
+    ``n_trainer_workers`` with ``trainer=1``, each a non-daemonic process with
+    ``threads_per_worker`` torch/OpenMP threads. ``pin_cpus`` gives each worker its own cores
+    (round-robin over this process's CPUs), as a GPU cluster gives roles disjoint devices.
+    ``security`` (a ``distributed.Security``) is passed through for TLS clusters.
+    """
+    if address:
+        client = Client(address, security=security)
+        if not quiet:
+            print(f"connected to {address}; dashboard: {client.dashboard_link}")
+        return client
+    from distributed import LocalCluster
+
+    # Nannies read this when they (re)start a worker: engines and process groups spawn children.
+    dask.config.set({"distributed.worker.daemon": False})
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cluster = LocalCluster(
+        n_workers=0,
+        threads_per_worker=threads_per_worker,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address="127.0.0.1:0",
+        silence_logs=logging.ERROR,
+    )
+    roles = [(ROLLOUT, i) for i in range(n_rollout_workers)] + [(TRAINER, i) for i in range(n_trainer_workers)]
+    for k, (role, i) in enumerate(roles):
+        mine = [cpus[(k * threads_per_worker + j) % len(cpus)] for j in range(threads_per_worker)] if pin_cpus else cpus
+        env = {
+            "OMP_NUM_THREADS": str(threads_per_worker),
+            "MKL_NUM_THREADS": str(threads_per_worker),
+            "GRPO_KIT_CPUS": ",".join(map(str, mine)) if pin_cpus else "",
+            "GRPO_KIT_THREADS": str(threads_per_worker),
+            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)) if pin_cpus else "auto",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        cluster.worker_spec[f"{role}-{i}"] = {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "resources": {role: 1},
+                "host": "127.0.0.1",
+                "env": env,
+                "memory_limit": 0,
+            },
+        }
+    cluster.scale(len(roles))
+    client = Client(cluster)
+    client.wait_for_workers(len(roles), timeout=120)
+    client.register_plugin(ThreadsPlugin(), name="grpo-kit-threads")
+    if not quiet:
+        print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer workers; dashboard: {client.dashboard_link}")
+    return client
+
+
+class ThreadsPlugin(WorkerPlugin):
+    """Applies the CPU affinity and torch thread count a worker was started with."""
+
+    def setup(self, worker):
+        cpus = os.environ.get("GRPO_KIT_CPUS")
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+        threads = os.environ.get("GRPO_KIT_THREADS")
+        if threads:
+            import torch
+
+            torch.set_num_threads(int(threads))
+
+
+def workers_with(client: Client, resource: str) -> list[str]:
+    """Addresses of the workers that advertise ``resource``, sorted."""
+    info = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
+    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource))
+
+
+def _accepts_n_workers(client: Client) -> bool:
+    import inspect
+
+    return "n_workers" in inspect.signature(client.scheduler_info).parameters
+
+
+def wait_for_role(client: Client, resource: str, n: int, timeout: float = 120) -> list[str]:
+    deadline = time.time() + timeout
+    while True:
+        found = workers_with(client, resource)
+        if len(found) >= n:
+            return found
+        if time.time() > deadline:
+            raise TimeoutError(
+                f"needed {n} workers with resource {resource!r}, found {len(found)}; start workers with "
+                f"'--resources {resource}=1' (dask-jobqueue: worker_extra_args)"
+            )
+        time.sleep(0.2)
+
+
+# ----------------------------------------------------------------------------- rollout engines
+
+
+class EnginePlugin(WorkerPlugin):
+    """A warm rollout engine, built lazily in each rollout worker and reused across tasks."""
+
+    def __init__(self, kind: str, model_path: str, store_root: str, storage_options: dict | None, engine_kwargs: dict):
+        self.kind, self.model_path = kind, model_path
+        self.store_root, self.storage_options = store_root, storage_options
+        self.engine_kwargs = engine_kwargs
+        self._engine = None
+
+    def setup(self, worker):
+        self._engine = None
+
+    def engine(self):
+        if self._engine is None:
+            store = AdapterStore(self.store_root, self.storage_options)
+            self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
+        return self._engine
+
+    def teardown(self, worker):
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
+    """A rollout engine: ``"vllm"`` (VLLMEngine) or ``"hf"`` (HFEngine)."""
+    if kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, store=store, **kw)
+    if kind == "hf":
+        from .rollout import HFEngine
+
+        kw = {k: v for k, v in kw.items() if k in ("dtype", "max_model_len")}
+        return HFEngine(model_path, store=store, **kw)
+    raise ValueError(f"unknown engine {kind!r}")
+
+
+def register_engines(client: Client, cfg: Config, model_path: str, storage_options: dict | None = None) -> None:
+    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len}
+    if cfg.sampling.engine == "vllm":
+        kw["max_lora_rank"] = max(8, cfg.lora.lora_r)
+        kw["seed"] = cfg.run.seed
+    plugin = EnginePlugin(cfg.sampling.engine, model_path, cfg.run.store_root, storage_options, kw)
+    client.register_plugin(plugin, name=ENGINE_PLUGIN)
+
+
+def _engine():
+    plugin = get_worker().plugins.get(ENGINE_PLUGIN)
+    if plugin is None:
+        raise RuntimeError("no engine registered on this worker (call cluster.register_engines first)")
+    return plugin.engine()
+
+
+def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int, temperature: float, seed: int,
+                 group_offset: int, iteration: int) -> dict:
+    """Generate ``n`` completions for each problem with the worker's warm engine."""
+    t0 = time.time()
+    probs = [Problem(**p) for p in problems]
+    outs = _engine().generate(probs, n, version, max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed, group_offset=group_offset)
+    for r in outs:
+        r.iteration = iteration
+    return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
+
+
+def reward_task(result: dict) -> dict:
+    """Score rollouts as soon as they complete (pure function of the texts)."""
+    for r in result["rollouts"]:
+        res = gsm8k_reward(r["text"], r["gold"])
+        r["reward"], r["reward_reason"] = res.score, res.reason
+    return result
+
+
+def eval_task(problems: list[dict], version: int, max_new_tokens: int) -> dict:
+    """Greedy held-out accuracy of adapter ``version`` (0 = the base model)."""
+    t0 = time.time()
+    probs = [Problem(**p) for p in problems]
+    outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
+    correct = [gsm8k_reward(r.text, p.gold).score >= 1.0 for r, p in zip(outs, probs, strict=True)]
+    return {
+        "version": version,
+        "acc": sum(correct) / max(1, len(correct)),
+        "n": len(correct),
+        "truncated": sum(r.truncated for r in outs),
+        "start": t0,
+        "end": time.time(),
+    }
+
+
+def problem_dict(p: Problem) -> dict:
+    return {"id": p.id, "question": p.question, "gold": p.gold, "solution": None}
+
+
+# ----------------------------------------------------------------------------- the trainer gang
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _wait_first_error(futures, timeout: float):
+    """Wait until all futures finish or one fails (Dask's wait has no FIRST_EXCEPTION)."""
+    deadline = time.time() + timeout
+    pending = set(futures)
+    while pending:
+        left = deadline - time.time()
+        if left <= 0:
+            return set(futures) - pending, None
+        try:
+            done, pending = wait(list(pending), timeout=left, return_when="FIRST_COMPLETED")
+        except dask.utils.TimeoutError if hasattr(dask.utils, "TimeoutError") else TimeoutError:
+            return set(futures) - pending, None
+        pending = set(pending)
+        for f in done:
+            if f.status == "error":
+                return set(futures) - pending, f.exception()
+    return set(futures), None
+
+
+class GangFailed(RuntimeError):
+    """The trainer gang failed more often than ``max_restarts`` allows."""
+
+
+class TrainerGang:
+    """``world_size`` rank tasks pinned to distinct trainer workers, re-formed after a failure."""
+
+    def __init__(self, client: Client, spec: RankSpec, *, max_restarts: int = 2, step_timeout_s: float = 900):
+        self.client, self.base_spec = client, spec
+        self.max_restarts, self.step_timeout_s = max_restarts, step_timeout_s
+        self.restarts = 0
+        self.gang_id = 0
+        self.workers: list[str] = []
+        self._form()
+
+    def _form(self) -> None:
+        ws = self.base_spec.world_size
+        self.workers = wait_for_role(self.client, TRAINER, ws)[:ws]
+        self.gang_id += 1
+        self.init_method = None
+        if ws > 1:
+            port = self.client.run(_free_port, workers=[self.workers[0]])[self.workers[0]]
+            host = self.workers[0].split("://")[-1].rsplit(":", 1)[0]
+            self.init_method = f"tcp://{host}:{port}"
+
+    def _specs(self) -> list[RankSpec]:
+        return [replace(self.base_spec, rank=r, gang_id=self.gang_id, init_method=self.init_method)
+                for r in range(self.base_spec.world_size)]
+
+    def step(self, samples: list, version: int, iteration: int, store: AdapterStore) -> dict:
+        """Train on ``samples`` from ``version``; returns rank 0's stats (identical on all ranks)."""
+        while True:
+            futures = [
+                self.client.submit(train_rank, spec, samples, version, iteration, key=f"train-{iteration}-g{self.gang_id}-r{spec.rank}",
+                                   workers=[w], allow_other_workers=False, pure=False)
+                for spec, w in zip(self._specs(), self.workers, strict=True)
+            ]
+            done, error = _wait_first_error(futures, self.step_timeout_s)
+            if error is None and len(done) == len(futures):
+                results = [f.result() for f in futures]
+                return {**results[0], "ranks": results}
+            error = error or TimeoutError(f"training step {iteration} did not finish in {self.step_timeout_s:.0f}s")
+            self.client.cancel(futures)
+            if store.exists(version + 1):
+                # Rank 0 published before the failure surfaced: the step is done.
+                meta = store.manifest(version + 1).get("meta", {})
+                return {**meta.get("stats", {}), "recovered": True}
+            self.restarts += 1
+            log.warning("trainer gang failed at iteration %d (%s); restart %d of %d", iteration, error,
+                        self.restarts, self.max_restarts)
+            if self.restarts > self.max_restarts:
+                raise GangFailed(
+                    f"trainer gang failed {self.restarts} times (max_restarts={self.max_restarts}); last error at "
+                    f"iteration {iteration}: {error!r}"
+                ) from error
+            self.reset()
+
+    def reset(self) -> None:
+        """Tear the process group down on every live trainer and form a new gang."""
+        live = workers_with(self.client, TRAINER)
+        if live:
+            try:
+                self.client.run(teardown, workers=live)
+            except Exception as e:  # a worker dying mid-teardown is what we are recovering from
+                log.warning("teardown on trainers failed: %r", e)
+        self._form()
+
+    def close(self) -> None:
+        live = workers_with(self.client, TRAINER)
+        if live:
+            self.client.run(teardown, workers=live)

@@ -1,0 +1,348 @@
+"""Rollouts: the :class:`Rollout` record, the :class:`Engine` protocol, and the transformers engine.
+
+An engine samples ``n`` completions per problem under one adapter ``version`` (0 = the base model)
+and returns one :class:`Rollout` per completion, grouped consecutively (``group_id = group_offset +
+i`` for problem ``i``). Contract shared by :class:`HFEngine` and :class:`~grpo_kit.vllm_engine.VLLMEngine`:
+
+- ``prompt_ids`` are the prompt tokenized once (``add_special_tokens=False``) and ``completion_ids``
+  exactly the sampled tokens; nothing is re-tokenized, so the trainer scores what was sampled.
+- A completion that stopped includes its stop token (EOS) as the last id, with its log-prob: the
+  model is trained to stop. ``text`` is the decoded completion without the stop token and without
+  special tokens. A completion cut at ``max_new_tokens`` has ``finish_reason == "length"``.
+- ``logprobs[j]`` is ``log p(completion_ids[j])`` under the distribution actually sampled from:
+  after temperature, with top-k and top-p off. At temperature 1.0 that is the policy itself,
+  which :func:`grpo_kit.train_step.token_logprobs` recomputes (the on-policy ratio is 1).
+- Seeds: problem ``i`` of a call is sampled with :func:`group_seed` ``(seed, group_offset + i)``
+  (vLLM: one seeded generator per request), so a retried call reproduces its batch. The HF engine
+  samples a whole call from one generator seeded with ``group_seed(seed, group_offset)``: a retried
+  call reproduces its batch, but a group's samples also depend on what else was in the call.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Protocol, runtime_checkable
+
+from grpo_kit import data
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class Rollout:
+    """One sampled completion and what the trainer and the metrics need about it."""
+
+    prompt_id: str
+    """The problem's id."""
+    group_id: int
+    """Group (prompt) index within the batch: ``group_offset + i`` for the call's problem ``i``."""
+    sample_idx: int
+    """Index of this completion within its group (``0 .. n-1``)."""
+    prompt_ids: list[int]
+    """Prompt token ids exactly as the engine saw them."""
+    completion_ids: list[int]
+    """Sampled token ids; ends with the stop token when ``finish_reason == "stop"``."""
+    logprobs: list[float]
+    """Sampling log-prob of each completion token (same length as ``completion_ids``)."""
+    version: int
+    """Adapter version that produced it; 0 = base model, no adapter."""
+    finish_reason: str
+    """``"stop"`` (a stop token was sampled) or ``"length"`` (cut at ``max_new_tokens``)."""
+    text: str
+    """Decoded completion, without the stop token and special tokens."""
+    gold: str | None
+    """The problem's gold answer, carried along for the reward."""
+    reward: float | None = None
+    reward_reason: str | None = None
+    iteration: int | None = None
+    """Training iteration the rollout was generated for (set by the loop)."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (it crosses Dask and goes to JSONL)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k in ("prompt_ids", "completion_ids", "logprobs"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Rollout:
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown Rollout field(s): {sorted(unknown)}")
+        return cls(**d)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the loop needs from a rollout engine (:class:`HFEngine`, ``VLLMEngine``)."""
+
+    tokenizer: Any
+    eos_token_id: int
+
+    def generate(
+        self,
+        problems: Sequence[data.Problem],
+        n: int,
+        version: int,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        group_offset: int = 0,
+    ) -> list[Rollout]:
+        """``n`` sampled rollouts per problem, grouped consecutively, ``group_id = group_offset + i``."""
+        ...
+
+    def greedy(self, problems: Sequence[data.Problem], version: int, *, max_new_tokens: int) -> list[Rollout]:
+        """One deterministic (argmax) rollout per problem, for evaluation."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- shared by the engines
+
+
+def group_seed(seed: int, group_id: int) -> int:
+    """A 62-bit seed for one group, well spread so that ``seed + j`` (vLLM's per-sample seeds) of
+    different groups do not collide.
+
+    >>> group_seed(0, 1) == group_seed(0, 1) != group_seed(0, 2)
+    True
+    """
+    digest = hashlib.blake2b(f"{int(seed)}:{int(group_id)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def check_request(n: int, version: int, max_new_tokens: int, temperature: float, *, has_store: bool) -> None:
+    """Reject bad arguments before any work; warn about tempered sampling."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be an int >= 0 (0 = base model), got {version!r}")
+    if version > 0 and not has_store:
+        raise ValueError(f"adapter version {version} requested but the engine has no AdapterStore (pass store=...)")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (use greedy() for argmax decoding), got {temperature!r}")
+    if temperature != 1.0:
+        warnings.warn(
+            f"temperature={temperature}: the returned log-probs are of the tempered distribution that was "
+            "sampled from, so the importance ratio is taken against the tempered policy",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def encode_prompts(tokenizer, problems: Sequence[data.Problem], max_new_tokens: int, max_len: int) -> list[list[int]]:
+    """Token ids of each problem's prompt; a prompt that leaves no room for the completion raises."""
+    out = []
+    for p in problems:
+        ids = tokenizer.encode(p.prompt, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"problem {p.id!r}: the prompt tokenizes to nothing")
+        if len(ids) + max_new_tokens > max_len:
+            raise ValueError(
+                f"problem {p.id!r}: prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"engine's context of {max_len} tokens (raise max_model_len or shorten the prompt)"
+            )
+        out.append(ids)
+    return out
+
+
+def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The tokenizer's EOS plus any the model's generation config lists (vLLM stops on both)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    extra = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    for t in [extra] if isinstance(extra, int) else list(extra or []):
+        if t not in ids:
+            ids.append(t)
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token and the model's generation config names none")
+    return ids
+
+
+def decode_completion(tokenizer, completion_ids: Sequence[int], finish_reason: str) -> str:
+    ids = list(completion_ids[:-1] if finish_reason == "stop" else completion_ids)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------- transformers engine
+
+
+class HFEngine:
+    """Sampling with transformers ``generate``; the LoRA adapter of each call's ``version`` comes from
+    ``store`` (PEFT). The reference engine: slower than vLLM, no extra dependency.
+
+    The model's own ``generation_config`` sampling defaults are dropped (hub checkpoints often set
+    top_k / top_p / temperature); every call sets temperature, ``top_k=0`` and ``top_p=1.0``.
+    Log-probs are taken from ``generate``'s ``scores`` (the processed logits that were sampled from).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        store=None,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        device: str | None = None,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.model_path = str(model_path)
+        self.store = store
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        context = getattr(model.config, "max_position_embeddings", None)
+        if context is not None and max_model_len > context:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+        self.max_model_len = max_model_len
+        self.stop_ids = stop_token_ids(self.tokenizer, model.generation_config)
+        self.eos_token_id = self.stop_ids[0]
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = pad if pad is not None else self.eos_token_id
+        model.generation_config = GenerationConfig(
+            bos_token_id=model.generation_config.bos_token_id,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_token_id,
+        )
+        self._base = model.to(self.device).eval()
+        self._model = self._base  # becomes a PeftModel on the first adapter
+        self._loaded: int | None = None  # version of the active adapter
+
+    # ---- adapters --------------------------------------------------------------------------------
+
+    def _activate(self, version: int) -> None:
+        if version == 0 or version == self._loaded:
+            return
+        from peft import PeftModel
+
+        path = self.store.fetch(version)  # VersionNotFoundError for an unpublished version
+        name = f"v{version}"
+        if self._loaded is None:
+            self._model = PeftModel.from_pretrained(self._base, path, adapter_name=name).eval()
+        else:
+            self._model.load_adapter(path, adapter_name=name)
+            self._model.set_adapter(name)
+            self._model.delete_adapter(f"v{self._loaded}")  # keep one adapter resident
+        self._loaded = version
+
+    def _policy(self, version: int):
+        """The model and a context manager that selects ``version`` (0: adapter disabled)."""
+        import contextlib
+
+        self._activate(version)
+        if version == 0 and self._loaded is not None:
+            return self._model.disable_adapter()
+        return contextlib.nullcontext()
+
+    # ---- sampling --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        problems: Sequence[data.Problem],
+        n: int,
+        version: int,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        group_offset: int = 0,
+    ) -> list[Rollout]:
+        check_request(n, version, max_new_tokens, temperature, has_store=self.store is not None)
+        if not problems:
+            return []
+        sampling = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
+        return self._run(problems, n, version, max_new_tokens, sampling, group_seed(seed, group_offset), group_offset)
+
+    def greedy(self, problems: Sequence[data.Problem], version: int, *, max_new_tokens: int) -> list[Rollout]:
+        check_request(1, version, max_new_tokens, 1.0, has_store=self.store is not None)
+        if not problems:
+            return []
+        return self._run(problems, 1, version, max_new_tokens, {"do_sample": False}, None, 0)
+
+    def _run(self, problems, n, version, max_new_tokens, sampling, seed, group_offset) -> list[Rollout]:
+        import torch
+        from transformers import GenerationConfig
+
+        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for i, p in enumerate(prompts):  # left-padded: every row's next token is at the same column
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
+        gen_cfg = GenerationConfig(
+            **sampling,
+            typical_p=1.0,
+            repetition_penalty=1.0,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=n,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        ctx = self._policy(version)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with ctx, torch.no_grad(), torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = self._model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=gen_cfg,
+            )
+        gen = out.sequences[:, width:]  # (B*n, L) rows ordered problem-major, as the groups
+        # log-prob of each sampled token under the processed distribution, one step at a time
+        # (a (L, B*n, V) stack would be large for a real vocabulary)
+        logp = torch.stack(
+            [s.float().log_softmax(-1).gather(1, gen[:, t : t + 1]).squeeze(1) for t, s in enumerate(out.scores)],
+            dim=1,
+        )  # (B*n, L)
+        gen, logp = gen.tolist(), logp.tolist()
+        stop = set(self.stop_ids)
+        rollouts = []
+        for row, (ids, lps) in enumerate(zip(gen, logp, strict=True)):
+            i, j = divmod(row, n)
+            end = next((t + 1 for t, tok in enumerate(ids) if tok in stop), None)
+            finish = "stop" if end is not None else "length"
+            end = end if end is not None else len(ids)  # never stopped: generate ran max_new_tokens steps
+            comp = ids[:end]
+            rollouts.append(
+                Rollout(
+                    prompt_id=problems[i].id,
+                    group_id=group_offset + i,
+                    sample_idx=j,
+                    prompt_ids=list(prompts[i]),
+                    completion_ids=comp,
+                    logprobs=lps[:end],
+                    version=version,
+                    finish_reason=finish,
+                    text=decode_completion(self.tokenizer, comp, finish),
+                    gold=problems[i].gold,
+                )
+            )
+        return rollouts
+
+    def close(self) -> None:
+        """Drop the model (frees its memory once nothing else holds it)."""
+        import torch
+
+        self._model = self._base = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -1,0 +1,232 @@
+"""Worker-resident trainer state: the policy (base model + LoRA), its optimizer and the process group.
+
+One :class:`TrainerState` lives in each trainer process (a Dask worker) between steps, so a step
+costs a forward/backward, not a model load. :func:`train_rank` is the body of one rank's task:
+
+- the process group is formed once per gang (``gang_id``) and kept across steps; it is re-formed
+  only when the driver starts a new gang after a failure. The DDP wrapper is deleted before
+  ``destroy_process_group()`` (destroying the group under a live wrapper deadlocked workers);
+- the state follows the adapter store: if the requested version is not the one in memory (a fresh
+  or restarted worker, a retried step), the adapter and optimizer state are loaded from the store;
+- rank 0 publishes version ``v + 1`` (adapter, then optimizer state) after the step. The driver
+  gets the all-reduced stats back, never tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .adapters import AdapterStore
+from .config import LoRAConfig, LossConfig, ModelConfig, OptimConfig
+from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank task needs to find or build its state (small, pickled per step)."""
+
+    run_id: str
+    """Identifies the run; a state built for another run is discarded."""
+    model_path: str
+    """Base model directory or hub id."""
+    store_root: str
+    """Adapter store root."""
+    storage_options: dict | None
+    """fsspec options for the store."""
+    model: ModelConfig
+    lora: LoRAConfig
+    loss: LossConfig
+    optim: OptimConfig
+    seed: int
+    """Seeds the LoRA initialisation (identical on every rank)."""
+    rank: int
+    world_size: int
+    gang_id: int
+    """Bumped by the driver whenever the gang is re-formed."""
+    init_method: str | None
+    """``tcp://host:port`` of rank 0's rendezvous (None for world_size 1)."""
+    timeout_s: float
+    """Bound on rendezvous and on every collective."""
+    max_len: int | None
+    """dr_grpo's constant (the completion budget)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}[name]
+
+
+def build_policy(model_path: str, model_cfg: ModelConfig, lora_cfg: LoRAConfig, seed: int, device: str | None = None):
+    """The base model with a freshly initialised LoRA adapter (B = 0: the policy starts as the base)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_dtype(model_cfg.dtype))
+    if device:
+        base = base.to(device)
+    torch.manual_seed(seed)
+    peft_cfg = LoraConfig(
+        r=lora_cfg.lora_r,
+        lora_alpha=lora_cfg.lora_alpha,
+        lora_dropout=lora_cfg.lora_dropout,
+        target_modules=list(lora_cfg.lora_targets),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, peft_cfg)
+    model.train()
+    return model
+
+
+def load_adapter_weights(model, path: str) -> None:
+    """Load a published adapter directory's weights into a PEFT model in place."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(path, "adapter_model.safetensors"))
+    res = set_peft_model_state_dict(model, sd)
+    unexpected = getattr(res, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"adapter at {path} has keys the policy does not: {unexpected[:3]}")
+
+
+class TrainerState:
+    """The policy, optimizer, DDP wrapper and process group of one trainer process."""
+
+    def __init__(self, spec: RankSpec):
+        self.run_id = spec.run_id
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.store = AdapterStore(spec.store_root, spec.storage_options)
+        self.model = build_policy(spec.model_path, spec.model, spec.lora, spec.seed, self.device)
+        self.init_lora = {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
+        self.optimizer = make_optimizer(self.model, spec.optim)
+        self.version = 0
+        self.gang_id: int | None = None
+        self.ddp = None
+        tok_path = spec.model_path
+        from transformers import AutoTokenizer
+
+        self.pad_id = AutoTokenizer.from_pretrained(tok_path).pad_token_id or 0
+
+    # ------------------------------------------------------------------ process group
+    def ensure_group(self, spec: RankSpec) -> None:
+        if spec.world_size == 1:
+            self.teardown_group()
+            self.gang_id = spec.gang_id
+            return
+        if self.gang_id == spec.gang_id and self.ddp is not None:
+            return
+        self.teardown_group()
+        backend = "nccl" if self.device == "cuda" else "gloo"
+        torch.distributed.init_process_group(
+            backend,
+            init_method=spec.init_method,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=datetime.timedelta(seconds=spec.timeout_s),
+        )
+        self.ddp = wrap_ddp(self.model)
+        self.gang_id = spec.gang_id
+
+    def teardown_group(self) -> None:
+        # The wrapper goes first: destroying the group under a live DDP wrapper can deadlock.
+        self.ddp = None
+        gc.collect()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        self.gang_id = None
+
+    # ------------------------------------------------------------------ versions
+    def sync_to(self, version: int) -> None:
+        """Make the in-memory policy and optimizer equal the store's ``version``."""
+        if version == self.version:
+            return
+        if version == 0:
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    if name in self.init_lora:
+                        p.copy_(self.init_lora[name])
+            self.optimizer.state.clear()
+        else:
+            load_adapter_weights(self.model, self.store.fetch(version))
+            opt_name = optimizer_state_name(version)
+            try:
+                self.optimizer.load_state_dict(self.store.load_state(opt_name))
+            except FileNotFoundError:
+                self.optimizer.state.clear()
+        self.version = version
+
+
+def optimizer_state_name(version: int) -> str:
+    return f"optimizer/v{version:06d}"
+
+
+_STATE: TrainerState | None = None
+_LOCK = threading.Lock()
+
+
+def get_state(spec: RankSpec) -> TrainerState:
+    global _STATE
+    with _LOCK:
+        if _STATE is None or _STATE.run_id != spec.run_id:
+            if _STATE is not None:
+                _STATE.teardown_group()
+            _STATE = TrainerState(spec)
+        return _STATE
+
+
+def teardown() -> bool:
+    """Drop this process's process group (and DDP wrapper); keeps the policy warm."""
+    with _LOCK:
+        if _STATE is not None:
+            _STATE.teardown_group()
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return True
+
+
+def train_rank(spec: RankSpec, samples: list, version: int, iteration: int, meta: dict | None = None) -> dict:
+    """One rank's part of one training step (a Dask task). Returns stats and timings."""
+    t0 = time.time()
+    state = get_state(spec)
+    state.ensure_group(spec)
+    state.sync_to(version)
+    t_ready = time.time()
+    batch = collate(samples, state.pad_id)
+    model = state.ddp if spec.world_size > 1 else state.model
+    stats = grpo_step(
+        model,
+        state.optimizer,
+        batch,
+        spec.loss,
+        spec.optim,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        max_len=spec.max_len,
+    )
+    state.version = version + 1
+    t_step = time.time()
+    if spec.rank == 0:
+        state.store.publish(
+            state.model,
+            version + 1,
+            meta={"iteration": iteration, "stats": stats, **(meta or {})},
+            parent=version,
+        )
+        state.store.save_state(optimizer_state_name(version + 1), state.optimizer.state_dict())
+    t_end = time.time()
+    return {
+        **stats,
+        "rank": spec.rank,
+        "prepare_s": t_ready - t0,
+        "compute_s": t_step - t_ready,
+        "publish_s": t_end - t_step,
+        "start": t0,
+        "end": t_end,
+        "pid": os.getpid(),
+    }

