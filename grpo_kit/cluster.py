@@ -26,13 +26,11 @@ from dataclasses import replace
 
 import dask
 from distributed import Client, Nanny, WorkerPlugin, get_worker, wait
-from distributed.diagnostics.plugin import WorkerPlugin as _WorkerPluginBase  # noqa: F401  (documentation)
 
 from .adapters import AdapterStore
 from .config import Config
 from .data import Problem
 from .reward import gsm8k_reward
-from .rollout import Rollout
 from .trainer import RankSpec, teardown, train_rank
 
 log = logging.getLogger(__name__)
@@ -266,7 +264,7 @@ def _wait_first_error(futures, timeout: float):
             return set(futures) - pending, None
         try:
             done, pending = wait(list(pending), timeout=left, return_when="FIRST_COMPLETED")
-        except dask.utils.TimeoutError if hasattr(dask.utils, "TimeoutError") else TimeoutError:
+        except TimeoutError:
             return set(futures) - pending, None
         pending = set(pending)
         for f in done:
@@ -290,9 +288,9 @@ class TrainerGang:
         self.workers: list[str] = []
         self._form()
 
-    def _form(self) -> None:
+    def _form(self, candidates: list[str] | None = None) -> None:
         ws = self.base_spec.world_size
-        self.workers = wait_for_role(self.client, TRAINER, ws)[:ws]
+        self.workers = (candidates or wait_for_role(self.client, TRAINER, ws))[:ws]
         self.gang_id += 1
         self.init_method = None
         if ws > 1:
@@ -332,15 +330,23 @@ class TrainerGang:
                 ) from error
             self.reset()
 
-    def reset(self) -> None:
-        """Tear the process group down on every live trainer and form a new gang."""
-        live = workers_with(self.client, TRAINER)
-        if live:
-            try:
-                self.client.run(teardown, workers=live)
-            except Exception as e:  # a worker dying mid-teardown is what we are recovering from
-                log.warning("teardown on trainers failed: %r", e)
-        self._form()
+    def reset(self, timeout: float = 120) -> None:
+        """Tear the process group down on every live trainer and form a new gang.
+
+        Waits until ``world_size`` trainer workers answer (a killed one is restarted by its
+        nanny under a new address; the scheduler may list the dead one for a moment).
+        """
+        deadline = time.time() + timeout
+        while True:
+            live = workers_with(self.client, TRAINER)
+            answers = self.client.run(teardown, workers=live, on_error="return") if live else {}
+            ok = sorted(w for w, a in answers.items() if a is True)
+            if len(ok) >= self.base_spec.world_size:
+                break
+            if time.time() > deadline:
+                raise GangFailed(f"only {len(ok)} of {self.base_spec.world_size} trainer workers came back within {timeout:.0f}s")
+            time.sleep(0.5)
+        self._form(ok)
 
     def close(self) -> None:
         live = workers_with(self.client, TRAINER)

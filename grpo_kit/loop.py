@@ -117,7 +117,7 @@ def run(
                     f"the adapter store {store.root} already holds versions {store.versions()[:5]}...; "
                     "pass resume=True to continue that run, or use a fresh run_dir / store_url"
                 )
-            for p in (metrics_path, samples_path):
+            for p in (metrics_path, samples_path, run_dir / "rollouts.jsonl"):
                 p.unlink(missing_ok=True)
             state = {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0,
                      "evals": []}
@@ -357,6 +357,9 @@ class _Driver:
         return evs[-1]["acc"] if evs else None
 
     def _write_samples(self, it: int, rollouts: list[Rollout]) -> None:
+        with open(self.samples_path.with_name("rollouts.jsonl"), "a") as f:
+            for r in rollouts:
+                f.write(json.dumps(r.to_dict()) + "\n")
         with open(self.samples_path, "a") as f:
             for r in rollouts[:: max(1, len(rollouts) // 3)][:3]:
                 f.write(json.dumps({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,

