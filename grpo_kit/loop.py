@@ -336,11 +336,7 @@ class _Driver:
 
     def finish_iteration(self, rec: dict, bar) -> None:
         for res in self.collect_evals():
-            rec.setdefault("evals", []).append(res)
-            rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
-            rec["spans"].append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
-            if res["version"] == 0:
-                rec["base_acc"] = res["acc"]
+            self._attach_eval(rec, res)
         rec["base_acc"] = self.state["base_acc"]
         self.state["grpo_wall_s"] += rec["iter_s"]
         self.records.append(rec)
@@ -351,6 +347,15 @@ class _Driver:
             cb(rec)
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", acc=_fmt(self.last_eval()), v=rec["version"])
+
+    @staticmethod
+    def _attach_eval(rec: dict, res: dict) -> None:
+        """An evaluation that finished during this iteration: the base model's (version 0) is the
+        baseline, any other is the held-out accuracy of the version it names."""
+        rec.setdefault("evals", []).append(res)
+        rec["spans"].append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
+        if res["version"] > 0:
+            rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
 
     def last_eval(self):
         evs = [e for e in self.state["evals"] if e["version"] > 0]
@@ -379,10 +384,7 @@ class _Driver:
         if final and self.records:
             last = self.records[-1]
             for res in final:
-                last.setdefault("evals", []).append(res)
-                last["eval_acc"], last["eval_version"] = res["acc"], res["version"]
-                if res["version"] == 0:
-                    last["base_acc"] = res["acc"]
+                self._attach_eval(last, res)
             last["base_acc"] = self.state["base_acc"]
             self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
         self.store.write_json(RUN_STATE, self.state)

@@ -1,0 +1,123 @@
+"""Pipelined against sequential GRPO on the tiny profile, side by side in one run.
+
+    python bench/pipelining.py [--iterations 10] [--warmup 2] [--prompts-per-step 16] [--group-size 6]
+
+One LocalCluster with one rollout worker and one trainer worker, each pinned to its own core
+(on 2 cores: one each, one thread each, in both modes), as a GPU cluster gives them disjoint GPUs,
+so the overlap measures scheduling rather than two jobs sharing cores. The same work (same seeds,
+same prompts) runs sequentially and then pipelined; the first ``--warmup`` iterations of each are
+not measured (engine start, model load).
+
+Figures (means over the measured iterations):
+- P1 = pipelined iteration time / max(generation, training)             (target <= 1.05)
+- P2 = (sequential / pipelined) / ((generation + training) / max(...))   (target >= 90%)
+- P3 = share of the pipelined iteration outside generation and training compute:
+       dispatch, publish, fetch, serialization                           (target <= 3%)
+- gang overhead = (driver-measured training step - rank compute) / rank compute, the warm gang's
+  per-step cost of dispatch, state sync, publish and stats return         (target <= 10%)
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from grpo_kit import cluster, config, loop
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def measure(client, mode: str, args, root: str) -> dict:
+    cfg = config.profile(
+        "tiny",
+        engine=args.engine,
+        iterations=args.warmup + args.iterations,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        pipelined=mode == "pipelined",
+        eval_every=0,
+        run_dir=os.path.join(root, mode),
+        seed=args.seed,
+    )
+    res = loop.run(cfg, client=client, progress=False)
+    recs = res.records[args.warmup :]
+    gen = _mean([r["gen_s"] for r in recs])
+    train = _mean([r["train_compute_s"] for r in recs])
+    step = _mean([r["train_s"] for r in recs])
+    it = _mean([r["iter_s"] for r in recs])
+    # wall time per iteration measured across the measured block (includes everything between)
+    wall = (recs[-1]["t_iter_end"] - recs[0]["t_iter_start"]) / len(recs)
+    return {"mode": mode, "iter_s": wall, "iter_s_mean_record": it, "gen_s": gen, "train_compute_s": train,
+            "train_step_s": step, "publish_s": _mean([r["publish_s"] for r in recs]),
+            "reward_mean": _mean([r["reward_mean"] for r in recs])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=10, help="measured iterations per mode")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured iterations per mode")
+    ap.add_argument("--prompts-per-step", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=6)
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    client = cluster.connect(n_rollout_workers=1, n_trainer_workers=1, threads_per_worker=1, pin_cpus=True, quiet=True)
+    try:
+        affinity = client.run(lambda: sorted(os.sched_getaffinity(0)))
+        roles = {a: r for r in (cluster.ROLLOUT, cluster.TRAINER) for a in cluster.workers_with(client, r)}
+        print("CPU allocation (pinned, one thread each):")
+        for addr, cpus in sorted(affinity.items()):
+            print(f"  {roles.get(addr, '?'):8s} {addr}: cpus {cpus}")
+        with tempfile.TemporaryDirectory(prefix="grpo-bench-") as root:
+            t0 = time.time()
+            seq = measure(client, "sequential", args, root)
+            pipe = measure(client, "pipelined", args, root)
+            elapsed = time.time() - t0
+    finally:
+        cl = client.cluster
+        client.close()
+        cl.close()
+
+    # generation and training per iteration, from both runs (same work)
+    gen = _mean([seq["gen_s"], pipe["gen_s"]])
+    train = _mean([seq["train_compute_s"], pipe["train_compute_s"]])
+    longest = max(gen, train)
+    ideal = (gen + train) / longest
+    p1 = pipe["iter_s"] / longest
+    p2 = (seq["iter_s"] / pipe["iter_s"]) / ideal
+    p3 = max(0.0, pipe["iter_s"] - longest) / pipe["iter_s"]
+    gang = (pipe["train_step_s"] - pipe["train_compute_s"]) / pipe["train_compute_s"]
+    print(f"\nbatch: {args.prompts_per_step} prompts x {args.group_size} completions, engine {args.engine}; "
+          f"{args.iterations} measured + {args.warmup} warm-up iterations per mode ({elapsed:.0f}s in all)")
+    print(f"{'mode':12s} {'iter_s':>8s} {'gen_s':>8s} {'train_s':>8s} {'step_s':>8s} {'publish_s':>9s}")
+    for m in (seq, pipe):
+        print(f"{m['mode']:12s} {m['iter_s']:8.3f} {m['gen_s']:8.3f} {m['train_compute_s']:8.3f} "
+              f"{m['train_step_s']:8.3f} {m['publish_s']:9.3f}")
+    print(f"gen/train balance: {gen / train:.2f}; ideal speedup (gen+train)/max = {ideal:.3f}; "
+          f"measured speedup = {seq['iter_s'] / pipe['iter_s']:.3f}")
+    print(f"P1 pipelined / max(gen, train)      = {p1:.3f}  (target <= 1.05)")
+    print(f"P2 speedup as share of the ideal    = {p2:.1%}  (target >= 90%)")
+    print(f"P3 overhead share of the iteration  = {p3:.1%}  (target <= 3%)")
+    print(f"gang per-step overhead over compute = {gang:.1%}  (target <= 10%)")
+    print(json.dumps({
+        "sequential_iter_s": round(seq["iter_s"], 4),
+        "pipelined_iter_s": round(pipe["iter_s"], 4),
+        "gen_s": round(gen, 4),
+        "train_s": round(train, 4),
+        "p1_efficiency": round(p1, 4),
+        "p2_share_of_ideal": round(p2, 4),
+        "p3_overhead_share": round(p3, 4),
+        "gang_overhead_share": round(gang, 4),
+    }))
+
+
+if __name__ == "__main__":
+    main()
