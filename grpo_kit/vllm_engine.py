@@ -12,13 +12,20 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   vLLM's default, ``raw_logprobs``, ignores temperature. Prompts go in as token ids
   (``TokensPrompt``); token ids and log-probs come from vLLM's output, never re-tokenized.
 - Seeds: each problem is one request with ``SamplingParams(n=..., seed=group_seed(seed, group))``;
-  vLLM seeds sample ``j`` of the request with ``seed + j``.
+  vLLM seeds sample ``j`` of the request with ``seed + j``. On CPU, chunked prefill is off by
+  default: with it, a seeded batch larger than ``max_num_batched_tokens`` crashes vLLM 0.32's CPU
+  runner (it rewinds a partially prefilled request's generator with ``set_offset``, which CPU
+  generators lack: "CPU Generator does not use offset").
 - In-process: by default the engine core runs in the calling process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built), because a Dask worker may not
   be allowed to start child processes and one process is simpler to reason about. Side effects on
-  that process, from vLLM: the global random seeds are set to ``seed``, and on CPU torch's
-  intra-op threads are set to 1 (unless ``OMP_NUM_THREADS`` is set). vLLM's CPU worker also
-  replaces ``torch.set_num_threads`` with a no-op; the engine puts the original back.
+  that process: vLLM sets the global random seeds to ``seed``. On CPU, vLLM's serving policy is one
+  torch intra-op thread (idle OpenMP workers spin and steal the step's serial time; on a busy
+  machine 2 threads measured 4-30x slower than 1), but in-process its CPU worker first replaces
+  ``torch.set_num_threads`` with a no-op, so the policy is never applied. The engine puts the
+  original function back and sets ``cpu_threads`` (default 1; None leaves torch's setting). That is
+  process-wide until :meth:`VLLMEngine.close` restores the previous count: anything else in the
+  process (a co-located trainer) runs with it too.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ def _import_vllm():
 class VLLMEngine:
     """A warm vLLM engine with LoRA; ``llm_kwargs`` go to ``vllm.LLM`` unchanged.
 
-    On CPU, ``gpu_memory_utilization`` is the fraction of RAM reserved for the KV cache.
+    On CPU, ``gpu_memory_utilization`` is the fraction of RAM reserved for the KV cache, and
+    ``cpu_threads`` the torch intra-op threads of the process (module docstring). ``in_process=False``
+    runs vLLM's engine core in a child process (its default; needs a ``__main__`` guard).
     """
 
     def __init__(
@@ -66,6 +75,7 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = True,
         in_process: bool = True,
+        cpu_threads: int | None = 1,
         **llm_kwargs,
     ) -> None:
         import torch
@@ -83,6 +93,16 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            # A partially prefilled request has its sampled token discarded and its seeded generator
+            # rewound with Generator.set_offset, which CPU generators do not have ("CPU Generator
+            # does not use offset"): without chunked prefill no request is ever partially prefilled.
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
+            llm_kwargs.setdefault("max_num_batched_tokens", max(4096, max_model_len))
+        self._threads_before = torch.get_num_threads()
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         saved_env, saved_set_threads = os.environ.get(key), torch.set_num_threads
         os.environ[key] = "0" if in_process else "1"
@@ -108,6 +128,8 @@ class VLLMEngine:
             else:
                 os.environ[key] = saved_env
 
+        if on_cpu and cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
         self.stop_ids = stop_token_ids(self.tokenizer, self._hf_generation_config())
         self.eos_token_id = self.stop_ids[0]
         self._SamplingParams = vllm.SamplingParams
@@ -198,23 +220,22 @@ class VLLMEngine:
         return rollouts
 
     def close(self) -> None:
-        """Shut the engine core down and free its memory (best effort: vLLM keeps some process state)."""
+        """Shut the engine core down, free its memory and restore torch's thread count (best effort:
+        vLLM keeps some process state, such as its cached environment)."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return
+        import torch
+
+        torch.set_num_threads(self._threads_before)
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception:  # noqa: BLE001 - already down, or an older vLLM without this client API
             pass
         del llm
         gc.collect()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:
-            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def _sampled_logprobs(c, ids: list[int]) -> list[float]:

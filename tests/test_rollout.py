@@ -66,6 +66,16 @@ def assert_aligned(d: torch.Tensor, min_tokens: int = 512) -> None:
     assert abs(d.exp().mean().item() - 1) <= 1e-4, f"ratio mean - 1 = {d.exp().mean().item() - 1:.2e}"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread: on a shared CPU, idle OpenMP workers spinning cost far more than they give
+    on a model this small (tens of times slower measured under load)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_path():
     return str(tiny.ensure_tiny_model())
@@ -131,7 +141,9 @@ def test_contract(engine, problems):
         assert eos not in r.completion_ids[:-1]
         assert (r.completion_ids[-1] == eos) == (r.finish_reason == "stop")
         assert engine.tokenizer.eos_token not in r.text
-        assert r.text == engine.tokenizer.decode(r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids)
+        assert r.text == engine.tokenizer.decode(
+            r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
+        )
     assert any(r.finish_reason == "stop" for r in out), "the tiny model should finish most answers in 48 tokens"
 
 

@@ -42,14 +42,16 @@ def store(tiny_path, tmp_path_factory):
 def engine(tiny_path, store):
     from grpo_kit.vllm_engine import VLLMEngine
 
-    set_threads = torch.set_num_threads
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     eng = VLLMEngine(tiny_path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8)
     # building it in-process leaves the host's environment and torch.set_num_threads as they were
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == env
     assert torch.set_num_threads is set_threads
+    assert torch.get_num_threads() == 1  # cpu_threads: vLLM's serving policy on CPU
     yield eng
     eng.close()
+    assert torch.get_num_threads() == threads
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +119,11 @@ def test_bad_inputs(engine, problems):
 
 def test_alignment_and_version_pickup(engine, store, tiny_path, problems):
     v1 = scorer(tiny_path, store, 1)
-    out1 = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, seed=0)
+    # 32 x 6 prompts of 28 tokens exceed vLLM's 4096-token step budget: on CPU a seeded batch that
+    # needs a partial prefill crashed vLLM until the engine turned chunked prefill off
+    many = data.synthetic_problems(32, split="train", seed=1)
+    out1 = engine.generate(many, 6, 1, max_new_tokens=MAX_NEW, seed=0)
+    assert sum(len(r.prompt_ids) for r in out1) > 4096
     assert_aligned(dlogp(v1, out1))
 
     store.publish(perturbed_adapter(tiny_path, seed=2), 2)  # the engine keeps running
