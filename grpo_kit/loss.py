@@ -28,8 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-ADV_SCALES = ("group", "batch", "none")
+from grpo_kit.config import ADV_SCALES, LOSS_TYPES
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
@@ -129,7 +128,8 @@ class LossStats:
     def summary(self) -> dict[str, float]:
         """Means over tokens: ratio mean/std/min/max, clip fractions (low/high/total), KL mean, token
         count. NaN where there are no tokens (or, for ``kl``, no reference)."""
-        v = {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        names = [f.name for f in fields(self)]
+        v = dict(zip(names, torch.stack([getattr(self, k) for k in names]).tolist(), strict=True))  # one sync
         n = v["tokens"]
         div = (lambda x: x / n) if n > 0 else (lambda x: float("nan"))
         mean = div(v["ratio_sum"])

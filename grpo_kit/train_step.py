@@ -14,8 +14,12 @@ The step issues the same collectives, in the same order, on every rank whatever 
    backward is the rank's single gradient all-reduce (the gradients accumulated in step 2 ride on it);
 4. clip, optimizer step; all-reduce the stats.
 
-The DDP wrapper must have ``broadcast_buffers=False`` (:func:`wrap_ddp`): otherwise DDP broadcasts
-module buffers (rotary tables) as part of forwards, which are a per-rank, shard-dependent number.
+DDP's own one-off collective (the bucket rebuild, a broadcast at the first DDP forward after the first
+synchronized backward) lines up too: every rank makes at least one DDP forward per step, step 3's.
+
+The DDP wrapper must have ``broadcast_buffers=False`` (``forward_sync_buffers=False`` in newer torch;
+:func:`wrap_ddp` picks the right one): otherwise DDP broadcasts module buffers (rotary tables) as part
+of forwards, whose number depends on the rank's shard, and uneven shards deadlock.
 Because losses are normalized by global counts and DDP averages gradients over ranks, each rank
 backpropagates ``world_size * (local sum / global normalizer)``; the update then equals the
 single-process update on the whole batch for every ``loss_type``.
@@ -24,6 +28,7 @@ single-process update on the whole batch for every ``loss_type``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -132,8 +137,18 @@ def token_logprobs(
 
 
 def wrap_ddp(model: nn.Module, **kw) -> DDP:
-    """Wrap a (PEFT) model for :func:`grpo_step`: DDP with ``broadcast_buffers=False`` (required)."""
+    """Wrap a (PEFT) model for :func:`grpo_step`: DDP without forward-time buffer syncs (required).
+
+    Newer torch spells ``broadcast_buffers=False`` as ``forward_sync_buffers=False`` (buffers are
+    still synced once at construction, which is harmless: every rank builds the same model).
+    """
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return DDP(model, forward_sync_buffers=False, **kw)
     return DDP(model, broadcast_buffers=False, **kw)
+
+
+def _syncs_buffers_in_forward(ddp: DDP) -> bool:
+    return bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)))
 
 
 def make_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.AdamW:
@@ -178,8 +193,10 @@ def grpo_step(
     module = model.module if distributed else model
     if distributed:
         pg = model.process_group
-        if model.broadcast_buffers:
-            raise ValueError("DDP must be built with broadcast_buffers=False (see grpo_kit.train_step, wrap_ddp)")
+        if _syncs_buffers_in_forward(model):
+            raise ValueError(
+                "DDP must be built with broadcast_buffers=False (forward_sync_buffers=False): use wrap_ddp"
+            )
         if (rank, world_size) != (torch.distributed.get_rank(pg), torch.distributed.get_world_size(pg)):
             raise ValueError(f"rank/world_size {rank}/{world_size} do not match the DDP process group")
     elif world_size != 1:
