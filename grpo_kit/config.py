@@ -122,7 +122,7 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 2e-3
+    lr: float = 5e-4
     """AdamW learning rate for the LoRA parameters."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -180,13 +180,13 @@ class ClusterConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    iterations: int = 60
+    iterations: int = 40
     """Training iterations (one batch each)."""
     pipelined: bool = True
     """Generate batch N+1 while batch N trains."""
     max_staleness: int = 1
     """Largest allowed lag (trainer version - rollout version); older groups are dropped."""
-    eval_every: int = 10
+    eval_every: int = 4
     """Evaluate held-out accuracy every k iterations (and at the end); 0 disables."""
     seed: int = 0
     """Seed for prompt order, sampling and LoRA init; per-(iteration, group) seeds derive from it."""
