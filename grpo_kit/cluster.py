@@ -97,6 +97,7 @@ def connect(
                 "host": "127.0.0.1",
                 "env": env,
                 "memory_limit": 0,
+                "silence_logs": logging.ERROR,
             },
         }
     cluster.scale(len(roles))

@@ -1,0 +1,237 @@
+"""Every notebook executed top to bottom with papermill on tiny parameters.
+
+The quickstart runs through ``python -m grpo_kit.demo`` with the default vLLM engine, so the vLLM
+path runs end to end inside Dask workers; the other notebooks use the HF engine, which starts
+faster. Each run starts its own LocalCluster: the file takes a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import papermill as pm
+import pytest
+from click.testing import CliRunner
+from papermill.cli import papermill as papermill_cli
+
+from grpo_kit import config, plots
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4}
+HF = {**TINY, "engine": "hf"}
+SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
+NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color"}
+"""Parameters that are not config fields; every other parameter name must be one."""
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def execute(name: str, dest: Path, /, **params) -> nbformat.NotebookNode:
+    """Run a notebook as JupyterLab would (kernel in notebooks/) and return the executed copy."""
+    out = dest / name
+    pm.execute_notebook(
+        NOTEBOOKS / name, out, parameters=params, kernel_name="python3", cwd=NOTEBOOKS, progress_bar=False
+    )
+    return nbformat.read(out, as_version=4)
+
+
+def error_outputs(nb: nbformat.NotebookNode) -> list[str]:
+    return [
+        f"{o.get('ename')}: {o.get('evalue')}"
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
+
+
+def outputs(nb: nbformat.NotebookNode, mime: str) -> list:
+    return [
+        o["data"][mime]
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") in ("display_data", "execute_result") and mime in o.get("data", {})
+    ]
+
+
+def stdout(nb: nbformat.NotebookNode) -> str:
+    return "".join(
+        o["text"]
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o["name"] == "stdout"
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ----------------------------------------------------------------------------- 01 through the demo
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory):
+    """``python -m grpo_kit.demo`` on tiny parameters, the default (vLLM) engine."""
+    run_dir = tmp_path_factory.mktemp("quickstart")
+    args = [sys.executable, "-m", "grpo_kit.demo", "-p", "run_dir", str(run_dir)]
+    for name, value in TINY.items():
+        args += ["-p", name, str(value)]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"demo failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return run_dir, proc.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_runs_through_the_demo_with_vllm(quickstart):
+    run_dir, out = quickstart
+    executed = run_dir / "01_quickstart.ipynb"
+    nb = nbformat.read(executed, as_version=4)
+    assert not error_outputs(nb)
+    assert json.loads((run_dir / "config.json").read_text())["sampling"]["engine"] == "vllm"
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(plots.FIGURES)  # live.show() under papermill
+    for path in (executed, run_dir / "report.html", run_dir / "metrics.jsonl"):
+        assert str(path) in out, f"the demo does not say where {path.name} is"
+    assert "acc_after" in out
+
+
+@pytest.mark.slow
+def test_quickstart_report_holds_every_figure(quickstart):
+    run_dir, _ = quickstart
+    page = (run_dir / "report.html").read_text()
+    for name in ("reward", "drift", "staleness", "timeline", "timing"):
+        assert f'id="fig-{name}"' in page
+
+
+@pytest.mark.slow
+def test_quickstart_summary_matches_the_metrics(quickstart):
+    run_dir, _ = quickstart
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert set(SUMMARY_KEYS) <= set(summary)
+    assert summary["iterations"] == len(records) == TINY["iterations"]
+    assert summary["ratio_mean"] == pytest.approx(statistics.mean(r["ratio_mean"] for r in records))
+    assert summary["clip_fraction"] == pytest.approx(statistics.mean(r["clip_frac"] for r in records))
+    assert summary["kl_final"] == pytest.approx(records[-1]["kl_mean"])
+    assert summary["grpo_wall_s"] == pytest.approx(sum(r["iter_s"] for r in records))
+    assert summary["acc_before"] == records[-1]["base_acc"]
+    assert summary["acc_after"] == records[-1]["eval_acc"]  # the final evaluation lands on the last record
+    assert 0 <= summary["acc_before"] <= 1 and 0 <= summary["acc_after"] <= 1
+
+
+def test_quickstart_defaults_are_the_tiny_profile():
+    """The quickstart spells out the tiny profile's values; they must not drift from config.py."""
+    tiny = config.profile("tiny").flat()
+    params = pm.inspect_notebook(NOTEBOOKS / "01_quickstart.ipynb")
+    for name, p in params.items():
+        if name in tiny and name != "run_dir":
+            assert ast.literal_eval(p["default"]) == tiny[name], f"01_quickstart: {name} differs from the tiny profile"
+
+
+# ----------------------------------------------------------------------------- 02 to 05
+
+
+@pytest.mark.slow
+def test_inspect_run_redraws_a_finished_run(quickstart, tmp_path):
+    run_dir, _ = quickstart
+    nb = execute("04_inspect_run.ipynb", tmp_path, run_dir=str(run_dir), n_samples=4)
+    assert not error_outputs(nb)
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(plots.FIGURES)
+    assert f"{TINY['iterations']} of {TINY['iterations']} iterations, finished" in stdout(nb)
+    assert any("completion" in html for html in outputs(nb, "text/html")), "no samples table"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+def test_gsm8k_notebook_runs_on_local_files(tmp_path):
+    run_dir = tmp_path / "run"
+    nb = execute(
+        "02_gsm8k.ipynb",
+        tmp_path,
+        **{**HF, "eval_size": 8},
+        profile="smoke",
+        model="tiny",
+        dataset=str(GSM8K),
+        dtype="float32",
+        max_model_len=512,  # GSM8K prompts are long in the tiny model's tokens
+        max_new_tokens=16,
+        train_size=64,
+        run_dir=str(run_dir),
+    )
+    assert not error_outputs(nb)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert cfg["profile"] == "smoke" and cfg["data"]["dataset"] == str(GSM8K)
+    assert json.loads((run_dir / "summary.json").read_text())["iterations"] == TINY["iterations"]
+    assert all(r["prompt_id"].startswith("gsm8k-train-") for r in read_jsonl(run_dir / "rollouts.jsonl"))
+    assert (run_dir / "report.html").is_file()
+
+
+@pytest.mark.slow
+def test_pipelining_study_runs_both_modes(tmp_path):
+    nb = execute("03_pipelining_study.ipynb", tmp_path, **HF, run_dir=str(tmp_path / "study"))
+    assert not error_outputs(nb)
+    for mode in ("pipelined", "sequential"):
+        cfg = json.loads((tmp_path / "study" / mode / "config.json").read_text())
+        assert cfg["run"]["pipelined"] is (mode == "pipelined")
+        assert len(read_jsonl(tmp_path / "study" / mode / "metrics.jsonl")) == TINY["iterations"]
+    assert "pipelining speedup: measured" in stdout(nb)
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == 3  # the speedup bars and two timelines
+
+
+@pytest.mark.slow
+def test_sweep_notebook_runs_its_grid(tmp_path):
+    """One grid point keeps this cheap; tests/test_sweep.py runs two quickstarts in parallel."""
+    out_dir = tmp_path / "sweep"
+    nb = execute(
+        "05_sweep.ipynb", tmp_path, grid={"lr": [1e-3]}, iterations=1, eval_size=8, max_parallel=1, out_dir=str(out_dir)
+    )
+    assert not error_outputs(nb)
+    assert not error_outputs(nbformat.read(out_dir / "lr=0.001.ipynb", as_version=4))
+    assert json.loads((out_dir / "lr=0.001" / "summary.json").read_text())["iterations"] == 1
+    assert json.loads((out_dir / "lr=0.001" / "config.json").read_text())["sampling"]["engine"] == "hf"
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == 1
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "ename", "message"),
+    [
+        ("01_quickstart.ipynb", {"group_size": 1}, "ValueError", "group_size must be >= 2"),
+        ("02_gsm8k.ipynb", {"profile": "huge"}, "ValueError", "unknown profile 'huge'"),
+        ("03_pipelining_study.ipynb", {"max_staleness": -1}, "ValueError", "max_staleness must be >= 0"),
+        ("04_inspect_run.ipynb", {"run_dir": "/nonexistent/run"}, "FileNotFoundError", "holds no run"),
+        ("05_sweep.ipynb", {"grid": {"group_size": [4, 1]}}, "ValueError", "group_size must be >= 2"),
+    ],
+)
+def test_a_bad_parameter_stops_in_the_derived_values_cell(name, params, ename, message, tmp_path):
+    with pytest.raises(pm.PapermillExecutionError) as info:
+        execute(name, tmp_path, **params)
+    err = info.value
+    assert err.ename == ename and message in err.evalue
+    code = [c for c in nbformat.read(tmp_path / name, as_version=4).cells if c.cell_type == "code"]
+    failed = next(i for i, c in enumerate(code) if any(o.get("output_type") == "error" for o in c.outputs))
+    assert "injected-parameters" in code[failed - 1].metadata.get("tags", []), "failed later than the derived cell"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
+def test_help_notebook_lists_every_parameter(name):
+    # papermill's own command line, run in this process (a subprocess spends seconds importing)
+    result = CliRunner().invoke(papermill_cli, ["--help-notebook", str(NOTEBOOKS / name)])
+    assert result.exit_code == 0, result.output
+    params = pm.inspect_notebook(NOTEBOOKS / name)
+    assert params, f"{name}: no parameters found"
+    fields = set(config.flat_field_names())
+    for p in params.values():
+        assert f"  {p['name']}: {p['inferred_type_name']} (default" in result.output
+        assert p["inferred_type_name"] != "None", f"{name}: {p['name']} has no type annotation"
+        assert p["help"], f"{name}: {p['name']} has no comment"
+        assert p["name"] in fields | NOTEBOOK_ONLY, f"{name}: {p['name']} is neither a config field nor a known extra"

@@ -1,0 +1,198 @@
+"""grpo_kit.sweep: grid expansion, the figure, and papermill runs as parallel Dask tasks.
+
+The scheduling tests run a stub notebook (sleeps, writes a summary, or raises) on a shared
+two-worker cluster; one test runs the real quickstart at two grid points on a cluster of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dask
+import nbformat
+import pytest
+from distributed import Client, LocalCluster
+from nbformat.v4 import new_code_cell, new_notebook
+
+from grpo_kit import sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# ----------------------------------------------------------------------------- grid and names
+
+
+def test_grid_points_are_every_combination_last_axis_fastest():
+    pts = sweep.grid_points({"lr": [1e-3, 4e-3], "kl_beta": [0.0, 0.04]})
+    assert pts == [
+        {"lr": 1e-3, "kl_beta": 0.0},
+        {"lr": 1e-3, "kl_beta": 0.04},
+        {"lr": 4e-3, "kl_beta": 0.0},
+        {"lr": 4e-3, "kl_beta": 0.04},
+    ]
+    assert sweep.grid_points({}) == [{}]  # no axes: one run with the base parameters
+
+
+@pytest.mark.parametrize(
+    "grid",
+    [
+        {"lr": []},  # an axis without values would silently drop every run
+        {"lr": 1e-3},  # a scalar, not a list
+        {"loss_type": "grpo"},  # a string is a sequence of characters, not of values
+    ],
+)
+def test_grid_points_reject_malformed_axes(grid):
+    with pytest.raises(ValueError, match="non-empty list"):
+        sweep.grid_points(grid)
+
+
+def test_point_names_are_file_safe():
+    assert sweep.point_name({"lr": 0.001, "kl_beta": 0}) == "lr=0.001_kl_beta=0"
+    assert sweep.point_name({"dataset": "../data/x y"}) == "dataset=..-data-x-y"
+    assert sweep.point_name({}) == "default"
+
+
+# ----------------------------------------------------------------------------- the figure
+
+
+def _result(lr, kl_beta, acc, error=None):
+    point = {"lr": lr, "kl_beta": kl_beta}
+    summary = {} if error else {"acc_after": acc, "kl_final": 0.01, "clip_fraction": 0.0, "grpo_wall_s": 10.0}
+    return {"name": sweep.point_name(point), "point": point, "summary": summary, "error": error}
+
+
+def test_sweep_figure_draws_one_line_per_color_value_and_skips_failures():
+    results = [
+        _result(4e-3, 0.0, 0.5),
+        _result(1e-4, 0.0, 0.3),
+        _result(1e-4, 0.04, 0.2),
+        _result(4e-3, 0.04, None, error="ValueError: boom"),
+    ]
+    fig = sweep.sweep_figure(results, "lr", "kl_beta", metrics=("acc_after", "kl_final"))
+    assert len(fig.data) == 2 * 2  # two kl_beta values x two panels
+    acc = {t.name: (list(t.x), list(t.y)) for t in fig.data if t.xaxis == "x"}
+    assert acc == {"kl_beta=0.0": ([1e-4, 4e-3], [0.3, 0.5]), "kl_beta=0.04": ([1e-4], [0.2])}
+    assert fig.layout.xaxis.type == "log"  # lr spans 40x
+    assert [t.showlegend for t in fig.data] == [True, False, True, False]
+    assert "3 of 4 runs" in fig.layout.title.text
+
+
+def test_table_flattens_point_summary_and_error():
+    rows = sweep.table([_result(1e-3, 0.0, 0.5), _result(1e-3, 0.04, None, error="boom")])
+    assert rows[0] == {
+        "name": "lr=0.001_kl_beta=0.0",
+        "lr": 1e-3,
+        "kl_beta": 0.0,
+        "acc_after": 0.5,
+        "kl_final": 0.01,
+        "clip_fraction": 0.0,
+        "grpo_wall_s": 10.0,
+        "error": None,
+    }
+    assert rows[1]["error"] == "boom" and "acc_after" not in rows[1]
+
+
+# ----------------------------------------------------------------------------- scheduling (stub notebook)
+
+
+STUB = """
+import json, os, time
+from pathlib import Path
+
+time.sleep(sleep_s)
+if fail:
+    raise ValueError(f"point {tag} failed on purpose")
+Path(run_dir).mkdir(parents=True, exist_ok=True)
+summary = {"tag": tag, "cwd": os.getcwd(), "iterations": 1}
+(Path(run_dir) / "summary.json").write_text(json.dumps(summary))
+"""
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    nb = new_notebook()
+    params = new_code_cell(
+        'tag: str = "a"  # which point\nsleep_s: float = 0.0  # work\nfail: bool = False  # raise\n'
+        'run_dir: str = "run"  # where the summary goes'
+    )
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, new_code_cell(STUB)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path_factory.mktemp("stub") / "stub.ipynb"
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def client():
+    with dask.config.set({"distributed.worker.daemon": False}):
+        cluster = LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address="127.0.0.1:0"
+        )
+        c = Client(cluster)
+        yield c
+        c.close()
+        cluster.close()
+
+
+def _overlap(a, b) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_points_run_in_parallel_with_their_parameters(stub, client, tmp_path):
+    results = sweep.sweep(stub, {"tag": ["a", "b"]}, {"sleep_s": 3.0}, tmp_path, client=client, max_parallel=2)
+    assert [r["name"] for r in results] == ["tag=a", "tag=b"]
+    for r, tag in zip(results, "ab", strict=True):
+        assert r["error"] is None
+        assert r["summary"]["tag"] == tag
+        assert r["summary"]["cwd"] == str(
+            stub.resolve().parent
+        )  # the kernel runs beside the notebook, as in JupyterLab
+        assert r["params"] == {"sleep_s": 3.0, "tag": tag, "run_dir": str(tmp_path.resolve() / f"tag={tag}")}
+        assert Path(r["notebook"]) == tmp_path.resolve() / f"tag={tag}.ipynb" and Path(r["notebook"]).is_file()
+    assert _overlap(*results)
+
+
+def test_max_parallel_bounds_the_runs_in_flight(stub, client, tmp_path):
+    results = sweep.sweep(stub, {"tag": ["a", "b", "c"]}, {"sleep_s": 1.0}, tmp_path, client=client, max_parallel=1)
+    assert [r["summary"]["tag"] for r in results] == ["a", "b", "c"]
+    assert not any(_overlap(a, b) for i, a in enumerate(results) for b in results[i + 1 :])
+
+
+def test_a_failed_point_is_reported_after_the_others_finish(stub, client, tmp_path):
+    with pytest.raises(sweep.SweepError, match=r"1 of 2 grid points failed") as info:
+        sweep.sweep(stub, {"fail": [False, True]}, {}, tmp_path, client=client, max_parallel=2)
+    ok, bad = info.value.results
+    assert ok["error"] is None and ok["summary"]["iterations"] == 1
+    assert bad["error"] == "ValueError: point a failed on purpose" and bad["summary"] == {}
+    assert Path(bad["notebook"]).is_file()  # the executed copy shows the traceback
+    kept = sweep.sweep(stub, {"fail": [True]}, {}, tmp_path / "again", client=client, raise_errors=False)
+    assert kept[0]["error"].startswith("ValueError")
+
+
+def test_a_missing_notebook_fails_before_any_task(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        sweep.sweep(tmp_path / "nope.ipynb", {"lr": [1e-3]}, {}, tmp_path)
+
+
+# ----------------------------------------------------------------------------- the real thing
+
+
+@pytest.mark.slow
+def test_quickstart_sweep_runs_two_points_in_parallel(tmp_path):
+    base = {"engine": "hf", "iterations": 1, "eval_size": 8, "prompts_per_step": 4, "group_size": 4}
+    results = sweep.sweep(
+        ROOT / "notebooks" / "01_quickstart.ipynb", {"lr": [1e-3, 3e-3]}, base, tmp_path, max_parallel=2
+    )
+    assert [r["error"] for r in results] == [None, None]
+    for r, lr in zip(results, (1e-3, 3e-3), strict=True):
+        assert r["summary"]["iterations"] == 1 and r["summary"]["acc_after"] is not None
+        run_cfg = json.loads((Path(r["run_dir"]) / "config.json").read_text())
+        assert run_cfg["optim"]["lr"] == lr and run_cfg["sampling"]["engine"] == "hf"
+        assert Path(r["run_dir"]).parent == tmp_path.resolve() and (Path(r["run_dir"]) / "report.html").is_file()
+    assert _overlap(*results)
+    fig = sweep.sweep_figure(results, "lr")
+    assert [len(t.x) for t in fig.data] == [2] * len(sweep.METRICS)
