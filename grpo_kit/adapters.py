@@ -304,6 +304,13 @@ class AdapterStore:
         torch.save(state_dict, buf)
         self._write_bytes(self._state_path(name, ".pt"), buf.getvalue())
 
+    def delete_state(self, name: str) -> None:
+        """Remove ``state/<name>.pt`` if present (old optimizer checkpoints)."""
+        path = self._state_path(name, ".pt")
+        self.fs.invalidate_cache(path)
+        if self.fs.exists(path):
+            self.fs.rm(path)
+
     def load_state(self, name: str, map_location: Any = "cpu") -> Any:
         """Load ``state/<name>.pt`` with ``torch.load(weights_only=True)``: tensors and plain containers only."""
         import torch

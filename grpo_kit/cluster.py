@@ -70,6 +70,7 @@ def connect(
     # Nannies read this when they (re)start a worker: engines and process groups spawn children.
     dask.config.set({"distributed.worker.daemon": False})
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    gpus = _visible_gpus()
     cluster = LocalCluster(
         n_workers=0,
         threads_per_worker=threads_per_worker,
@@ -89,6 +90,8 @@ def connect(
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)) if pin_cpus else "auto",
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if gpus:  # one device per worker, round-robin, as a GPU cluster gives each role its own
+            env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
         cluster.worker_spec[f"{role}-{i}"] = {
             "cls": Nanny,
             "options": {
@@ -107,6 +110,18 @@ def connect(
     if not quiet:
         print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer workers; dashboard: {client.dashboard_link}")
     return client
+
+
+def _visible_gpus() -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except ImportError:
+        return []
 
 
 class ThreadsPlugin(WorkerPlugin):
@@ -190,12 +205,15 @@ def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
     raise ValueError(f"unknown engine {kind!r}")
 
 
-def register_engines(client: Client, cfg: Config, model_path: str, storage_options: dict | None = None) -> None:
+def register_engines(client: Client, cfg: Config, model_path: str, store_root: str | None = None,
+                     storage_options: dict | None = None) -> None:
+    """Register the run's engine on every rollout worker (built there on first use)."""
     kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len}
     if cfg.sampling.engine == "vllm":
         kw["max_lora_rank"] = max(8, cfg.lora.lora_r)
         kw["seed"] = cfg.run.seed
-    plugin = EnginePlugin(cfg.sampling.engine, model_path, cfg.run.store_root, storage_options, kw)
+        kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
+    plugin = EnginePlugin(cfg.sampling.engine, model_path, store_root or cfg.run.store_root, storage_options, kw)
     client.register_plugin(plugin, name=ENGINE_PLUGIN)
 
 
@@ -255,18 +273,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_first_error(futures, timeout: float):
-    """Wait until all futures finish or one fails (Dask's wait has no FIRST_EXCEPTION)."""
+def _wait_first_error(futures, timeout: float, alive=None):
+    """Wait until all futures finish, one fails, ``alive()`` turns False, or ``timeout`` passes.
+
+    Returns (finished futures, error or None). Dask's ``wait`` has no FIRST_EXCEPTION mode.
+    """
     deadline = time.time() + timeout
     pending = set(futures)
     while pending:
         left = deadline - time.time()
         if left <= 0:
-            return set(futures) - pending, None
+            return set(futures) - pending, TimeoutError(f"not finished within {timeout:.0f}s")
         try:
-            done, pending = wait(list(pending), timeout=left, return_when="FIRST_COMPLETED")
+            done, pending = wait(list(pending), timeout=min(left, 1.0), return_when="FIRST_COMPLETED")
         except TimeoutError:
-            return set(futures) - pending, None
+            if alive is not None and not alive():
+                return set(futures) - pending, RuntimeError("a trainer worker of the gang left the cluster")
+            continue
         pending = set(pending)
         for f in done:
             if f.status == "error":
@@ -281,11 +304,12 @@ class GangFailed(RuntimeError):
 class TrainerGang:
     """``world_size`` rank tasks pinned to distinct trainer workers, re-formed after a failure."""
 
-    def __init__(self, client: Client, spec: RankSpec, *, max_restarts: int = 2, step_timeout_s: float = 900):
+    def __init__(self, client: Client, spec: RankSpec, *, max_restarts: int = 2, step_timeout_s: float = 3600):
         self.client, self.base_spec = client, spec
         self.max_restarts, self.step_timeout_s = max_restarts, step_timeout_s
         self.restarts = 0
-        self.gang_id = 0
+        # unique across gangs and runs: a worker never mistakes a new gang for the one it is in
+        self.gang_id = int.from_bytes(os.urandom(4), "little") << 8
         self.workers: list[str] = []
         self._form()
 
@@ -303,25 +327,34 @@ class TrainerGang:
         return [replace(self.base_spec, rank=r, gang_id=self.gang_id, init_method=self.init_method)
                 for r in range(self.base_spec.world_size)]
 
+    def _alive(self) -> bool:
+        return set(self.workers) <= set(workers_with(self.client, TRAINER))
+
     def step(self, samples: list, version: int, iteration: int, store: AdapterStore) -> dict:
         """Train on ``samples`` from ``version``; returns rank 0's stats (identical on all ranks)."""
         while True:
+            # the batch travels once per worker, not once per rank task through the scheduler
+            [batch] = self.client.scatter([samples], workers=self.workers, broadcast=True, hash=False)
             futures = [
-                self.client.submit(train_rank, spec, samples, version, iteration, key=f"train-{iteration}-g{self.gang_id}-r{spec.rank}",
-                                   workers=[w], allow_other_workers=False, pure=False)
+                self.client.submit(train_rank, spec, batch, version, iteration, workers=[w], allow_other_workers=False,
+                                   key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")
                 for spec, w in zip(self._specs(), self.workers, strict=True)
             ]
-            done, error = _wait_first_error(futures, self.step_timeout_s)
-            if error is None and len(done) == len(futures):
+            _, error = _wait_first_error(futures, self.step_timeout_s, alive=self._alive)
+            if error is None:
                 results = [f.result() for f in futures]
+                sums = [r["param_checksum"] for r in results]
+                if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+                    raise RuntimeError(f"trainer ranks diverged at iteration {iteration}: parameter sums {sums}")
                 return {**results[0], "ranks": results}
-            error = error or TimeoutError(f"training step {iteration} did not finish in {self.step_timeout_s:.0f}s")
             self.client.cancel(futures)
+            self.restarts += 1
             if store.exists(version + 1):
-                # Rank 0 published before the failure surfaced: the step is done.
+                # Rank 0 published before the failure surfaced: the step is done, the gang is not.
+                log.warning("trainer gang failed after publishing v%d (%s); re-forming", version + 1, error)
+                self.reset()
                 meta = store.manifest(version + 1).get("meta", {})
                 return {**meta.get("stats", {}), "recovered": True}
-            self.restarts += 1
             log.warning("trainer gang failed at iteration %d (%s); restart %d of %d", iteration, error,
                         self.restarts, self.max_restarts)
             if self.restarts > self.max_restarts:
@@ -352,4 +385,4 @@ class TrainerGang:
     def close(self) -> None:
         live = workers_with(self.client, TRAINER)
         if live:
-            self.client.run(teardown, workers=live)
+            self.client.run(teardown, workers=live, on_error="return")

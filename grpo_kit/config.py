@@ -74,6 +74,8 @@ class SamplingConfig:
     distribution); other values are rejected unless ``allow_tempered`` is set."""
     allow_tempered: bool = False
     """Accept temperature != 1.0 (the ratio is then taken against the tempered policy)."""
+    gpu_memory_utilization: float = 0.15
+    """vLLM's memory fraction for weights + KV cache (on CPU: the fraction of RAM for the KV cache)."""
 
     def __post_init__(self) -> None:
         _check(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
@@ -81,6 +83,7 @@ class SamplingConfig:
         _check(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(
             self.temperature == 1.0 or self.allow_tempered,
             f"temperature={self.temperature}: sampling log-probs are then of the tempered "
@@ -285,7 +288,7 @@ def _profiles() -> dict[str, Config]:
     smoke = Config(
         model=ModelConfig(model="Qwen/Qwen3-0.6B", dtype="bfloat16", max_model_len=1024),
         data=DataConfig(dataset="openai/gsm8k", eval_size=256, train_size=7473),
-        sampling=SamplingConfig(group_size=6, prompts_per_step=8, max_new_tokens=384),
+        sampling=SamplingConfig(group_size=6, prompts_per_step=8, max_new_tokens=384, gpu_memory_utilization=0.4),
         loss=LossConfig(kl_beta=0.04),
         optim=OptimConfig(lr=1e-5, micro_batch=8),
         lora=LoRAConfig(lora_r=16, lora_alpha=32),
@@ -296,7 +299,7 @@ def _profiles() -> dict[str, Config]:
     stress = Config(
         model=ModelConfig(model="Qwen/Qwen3-8B", dtype="bfloat16", max_model_len=1024),
         data=DataConfig(dataset="openai/gsm8k", eval_size=512, train_size=7473),
-        sampling=SamplingConfig(group_size=6, prompts_per_step=32, max_new_tokens=512),
+        sampling=SamplingConfig(group_size=6, prompts_per_step=32, max_new_tokens=512, gpu_memory_utilization=0.85),
         loss=LossConfig(kl_beta=0.04),
         optim=OptimConfig(lr=5e-6, micro_batch=4),
         lora=LoRAConfig(lora_r=16, lora_alpha=32),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -45,10 +46,8 @@ def _seed(*parts) -> int:
 
 @dataclass
 class _Pending:
-    iteration: int
     version: int
     futures: list
-    submitted: float
 
 
 @dataclass
@@ -88,18 +87,22 @@ def run(
 ) -> RunResult:
     """Run ``cfg.run.iterations`` GRPO iterations on a Dask cluster; returns records and summary.
 
-    ``client``: an existing ``distributed.Client`` (None starts a LocalCluster sized by
-    ``cfg.cluster`` and closes it at the end). ``store``: the adapter store (default
-    ``AdapterStore(cfg.run.store_root)``). ``callbacks`` are called with every metrics record.
+    ``client``: an existing ``distributed.Client`` (None connects to ``cfg.cluster.scheduler_address``
+    or starts a LocalCluster sized by ``cfg.cluster``, and closes it at the end). ``store``: the
+    adapter store (default ``AdapterStore(cfg.run.store_root, storage_options)``); trainers and
+    engines open the same root with the same options. ``callbacks`` are called with every record.
+    One run at a time per cluster: a run registers its engines on every rollout worker.
     """
     from tqdm.auto import tqdm
 
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = store or AdapterStore(cfg.run.store_root, storage_options)
+    storage_options = store.storage_options
     own_client = client is None
     if own_client:
         client = cl.connect(
+            cfg.cluster.scheduler_address,
             n_rollout_workers=cfg.cluster.n_rollout_workers,
             n_trainer_workers=cfg.cluster.world_size,
             threads_per_worker=cfg.cluster.threads_per_worker,
@@ -107,10 +110,13 @@ def run(
         )
     metrics_path = run_dir / "metrics.jsonl"
     samples_path = run_dir / "samples.jsonl"
-    run_id = _run_id(cfg)
+    run_id = _run_id(cfg, store.root)
+    gang = None
 
     try:
         state = _load_state(store, run_id) if resume else None
+        if state is None and resume and store.latest() is not None:
+            state = _fresh_state(run_id)  # died in iteration 0, after the first publish
         if state is None:
             if store.latest() is not None:
                 raise FileExistsError(
@@ -119,18 +125,21 @@ def run(
                 )
             for p in (metrics_path, samples_path, run_dir / "rollouts.jsonl"):
                 p.unlink(missing_ok=True)
-            state = {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0,
-                     "evals": []}
+            state = _fresh_state(run_id)
         state = _reconcile(state, store)
+        store.write_json(RUN_STATE, state)
         records = [r for r in _read_records(metrics_path) if r["iteration"] < state["next_iteration"]]
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        for p in (samples_path, run_dir / "rollouts.jsonl"):  # drop lines of unfinished iterations
+            kept = [r for r in _read_records(p) if r["iteration"] < state["next_iteration"]]
+            p.write_text("".join(json.dumps(r) + "\n" for r in kept))
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
         model_path = resolve_model(cfg.model.model)
-        cl.register_engines(client, cfg, model_path, storage_options)
+        cl.register_engines(client, cfg, model_path, store.root, storage_options)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec(
-            run_id=run_id, model_path=model_path, store_root=cfg.run.store_root, storage_options=storage_options,
+            run_id=run_id, model_path=model_path, store_root=store.root, storage_options=storage_options,
             model=cfg.model, lora=cfg.lora, loss=cfg.loss, optim=cfg.optim, seed=cfg.run.seed, rank=0,
             world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
             timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
@@ -145,9 +154,10 @@ def run(
                          list(callbacks), records)
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
         summary = driver.finish()
-        gang.close()
         return RunResult(run_dir, driver.records, summary)
     finally:
+        if gang is not None:
+            gang.close()
         if own_client:
             cluster = client.cluster
             client.close()
@@ -155,9 +165,17 @@ def run(
                 cluster.close()
 
 
-def _run_id(cfg: Config) -> str:
-    blob = json.dumps({k: v for k, v in cfg.to_dict().items() if k != "run"}, sort_keys=True) + cfg.run.store_root
+def _run_id(cfg: Config, store_root: str) -> str:
+    """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
+    d = cfg.to_dict()
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every")}
+    d.pop("cluster")
+    blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _fresh_state(run_id: str) -> dict:
+    return {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0, "evals": []}
 
 
 def _load_state(store: AdapterStore, run_id: str) -> dict | None:
@@ -191,7 +209,8 @@ class _Driver:
         self.callbacks, self.records = callbacks, records
         self.pending: dict[int, _Pending] = {}
         self.evals: list = []  # (iteration, future)
-        self.t_start = time.time()
+        # task keys are unique per run() call: two drivers on one scheduler never share a task
+        self.key = f"{state['run_id']}-{os.urandom(3).hex()}"
         s = cfg.sampling
         self.depth = cfg.run.max_staleness if cfg.run.pipelined else 0
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
@@ -210,18 +229,19 @@ class _Driver:
         futures = []
         for c in range(0, len(probs), per):
             chunk = [cl.problem_dict(p) for p in probs[c : c + per]]
-            key = f"rollout-{iteration}-{c}-v{version}"
+            key = f"{self.key}-rollout-{iteration}-{c}-v{version}"
             gen = self.client.submit(
                 cl.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
                 _seed(self.cfg.run.seed, iteration), c, iteration,
-                key=key, resources={cl.ROLLOUT: 1}, retries=2, pure=False,
+                key=key, resources={cl.ROLLOUT: 1}, retries=2,
             )
-            futures.append(self.client.submit(cl.reward_task, gen, key=f"reward-{iteration}-{c}-v{version}", retries=2, pure=False))
-        self.pending[iteration] = _Pending(iteration, version, futures, time.time())
+            futures.append(self.client.submit(cl.reward_task, gen, key=f"{self.key}-reward-{iteration}-{c}", retries=2))
+        self.pending[iteration] = _Pending(version, futures)
 
     def submit_eval(self, iteration: int, version: int) -> None:
         fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens,
-                                 key=f"eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, pure=False)
+                                 key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
+                                 priority=-10)  # generation goes first when both wait for an engine
         self.evals.append((iteration, fut))
 
     def collect_evals(self, block: bool = False) -> list[dict]:
@@ -242,9 +262,10 @@ class _Driver:
     def loop(self, bar) -> None:
         cfg = self.cfg
         start = self.state["next_iteration"]
+        self.session_start, self.wall_base = time.time(), self.state["grpo_wall_s"]
+        self.submit_generation(start)
         if start == 0 and self.state["base_acc"] is None and cfg.run.eval_every > 0:
             self.submit_eval(-1, 0)
-        self.submit_generation(start)
         for it in range(start, cfg.run.iterations):
             t_iter = time.time()
             pend = self.pending.pop(it)
@@ -253,7 +274,7 @@ class _Driver:
             for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
                 self.submit_generation(j)
             rec = self.train_on(it, pend, results, t_iter, t_gen_done)
-            if not cfg.run.pipelined or self.depth == 0:
+            if self.depth == 0:
                 self.submit_generation(it + 1)
             self.finish_iteration(rec, bar)
 
@@ -261,6 +282,9 @@ class _Driver:
         cfg, s = self.cfg, self.cfg.sampling
         rollouts = [Rollout.from_dict(r) for res in results for r in res["rollouts"]]
         rollouts.sort(key=lambda r: (r.group_id, r.sample_idx))
+        want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
+        if [(r.group_id, r.sample_idx) for r in rollouts] != want:
+            raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
         version = self.state["version"]
         lag = version - pend.version
         kept = rollouts if lag <= cfg.run.max_staleness else []
@@ -338,7 +362,10 @@ class _Driver:
         for res in self.collect_evals():
             self._attach_eval(rec, res)
         rec["base_acc"] = self.state["base_acc"]
-        self.state["grpo_wall_s"] += rec["iter_s"]
+        # wall time of the loop itself, summed over resumed sessions: everything on the critical
+        # path (dispatch, I/O, callbacks), unlike iter_s which ends when the record is complete
+        self.state["grpo_wall_s"] = self.wall_base + (time.time() - self.session_start)
+        rec["grpo_wall_s"] = self.state["grpo_wall_s"]
         self.records.append(rec)
         _append_jsonl(self.metrics_path, rec)
         self.state["next_iteration"] = rec["iteration"] + 1

@@ -184,7 +184,15 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(_band(records, std_edge(-1), std_edge(+1), "reward ± std", COLORS["reward"]), secondary_y=False)
     fig.add_trace(_line(records, "reward_mean", "reward mean", COLORS["reward"]), secondary_y=False)
     fig.add_trace(_line(records, "train_acc", "train accuracy", COLORS["train_acc"], dash="dot"), secondary_y=True)
-    fig.add_trace(_line(records, "eval_acc", "eval accuracy", COLORS["eval_acc"]), secondary_y=True)
+    # An evaluation finishes later than the step that produced its version: plot it at that step
+    # (version v comes out of iteration v - 1), not at the iteration during which it finished.
+    evals = sorted((int(r["eval_version"]) - 1, _num(r.get("eval_acc"))) for r in records
+                   if _num(r.get("eval_acc")) is not None and isinstance(r.get("eval_version"), int))
+    undated = [r for r in records if _num(r.get("eval_acc")) is not None and not isinstance(r.get("eval_version"), int)]
+    ex, ey = _series(undated, "eval_acc")
+    pts = sorted([*evals, *zip(ex, ey, strict=True)])
+    fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], name="eval accuracy", mode="lines+markers",
+                             line=dict(color=COLORS["eval_acc"]), marker=dict(size=5)), secondary_y=True)
     # The base model's accuracy is one number: a dashed line across the iterations run so far.
     base = _num(_last(records, "base_acc"))
     xs = [_x(r, i) for i, r in enumerate(records)]

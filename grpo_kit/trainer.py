@@ -105,7 +105,7 @@ class TrainerState:
         self.model = build_policy(spec.model_path, spec.model, spec.lora, spec.seed, self.device)
         self.init_lora = {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
         self.optimizer = make_optimizer(self.model, spec.optim)
-        self.version = 0
+        self.version: int | None = 0
         self.gang_id: int | None = None
         self.ddp = None
         tok_path = spec.model_path
@@ -116,7 +116,8 @@ class TrainerState:
     # ------------------------------------------------------------------ process group
     def ensure_group(self, spec: RankSpec) -> None:
         if spec.world_size == 1:
-            self.teardown_group()
+            if self.ddp is not None or self.gang_id != spec.gang_id:
+                self.teardown_group()
             self.gang_id = spec.gang_id
             return
         if self.gang_id == spec.gang_id and self.ddp is not None:
@@ -135,15 +136,20 @@ class TrainerState:
 
     def teardown_group(self) -> None:
         # The wrapper goes first: destroying the group under a live DDP wrapper can deadlock.
-        self.ddp = None
-        gc.collect()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self.ddp is not None:
+            self.ddp = None
+            gc.collect()
+        if had_group:
             torch.distributed.destroy_process_group()
         self.gang_id = None
 
     # ------------------------------------------------------------------ versions
     def sync_to(self, version: int) -> None:
-        """Make the in-memory policy and optimizer equal the store's ``version``."""
+        """Make the in-memory policy and optimizer equal the store's ``version``.
+
+        ``self.version`` is None after a failed step (the weights may hold a half-applied update):
+        then the state is always reloaded."""
         if version == self.version:
             return
         if version == 0:
@@ -154,11 +160,8 @@ class TrainerState:
             self.optimizer.state.clear()
         else:
             load_adapter_weights(self.model, self.store.fetch(version))
-            opt_name = optimizer_state_name(version)
-            try:
-                self.optimizer.load_state_dict(self.store.load_state(opt_name))
-            except FileNotFoundError:
-                self.optimizer.state.clear()
+            # saved before the adapter's manifest (train_rank), so a published version has one
+            self.optimizer.load_state_dict(self.store.load_state(optimizer_state_name(version)))
         self.version = version
 
 
@@ -176,6 +179,10 @@ def get_state(spec: RankSpec) -> TrainerState:
         if _STATE is None or _STATE.run_id != spec.run_id:
             if _STATE is not None:
                 _STATE.teardown_group()
+                _STATE = None  # free the old policy before building the new one
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             _STATE = TrainerState(spec)
         return _STATE
 
@@ -190,42 +197,53 @@ def teardown() -> bool:
     return True
 
 
-def train_rank(spec: RankSpec, samples: list, version: int, iteration: int, meta: dict | None = None) -> dict:
+def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
     """One rank's part of one training step (a Dask task). Returns stats and timings."""
     t0 = time.time()
     state = get_state(spec)
-    state.ensure_group(spec)
+    # Sync before forming the group: building the DDP wrapper copies rank 0's weights to every
+    # rank, so each rank must already hold `version` (a restarted worker may become rank 0).
     state.sync_to(version)
+    state.ensure_group(spec)
     t_ready = time.time()
     batch = collate(samples, state.pad_id)
     model = state.ddp if spec.world_size > 1 else state.model
-    stats = grpo_step(
-        model,
-        state.optimizer,
-        batch,
-        spec.loss,
-        spec.optim,
-        rank=spec.rank,
-        world_size=spec.world_size,
-        max_len=spec.max_len,
-    )
+    try:
+        stats = grpo_step(
+            model,
+            state.optimizer,
+            batch,
+            spec.loss,
+            spec.optim,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            max_len=spec.max_len,
+        )
+    except BaseException:
+        state.version = None  # the optimizer may have stepped: reload from the store on retry
+        raise
     state.version = version + 1
     t_step = time.time()
     if spec.rank == 0:
-        state.store.publish(
-            state.model,
-            version + 1,
-            meta={"iteration": iteration, "stats": stats, **(meta or {})},
-            parent=version,
-        )
+        # optimizer state first: the adapter's manifest is the commit point of the step
         state.store.save_state(optimizer_state_name(version + 1), state.optimizer.state_dict())
+        t_opt = time.time()
+        state.store.publish(state.model, version + 1, meta={"iteration": iteration, "stats": stats}, parent=version)
+        if version >= 2:
+            state.store.delete_state(optimizer_state_name(version - 1))  # keep the last two
+    else:
+        t_opt = t_step
     t_end = time.time()
+    with torch.no_grad():  # cheap fingerprint: the driver checks that ranks hold the same weights
+        checksum = float(sum(p.double().sum() for p in state.model.parameters() if p.requires_grad))
     return {
         **stats,
         "rank": spec.rank,
+        "param_checksum": checksum,
         "prepare_s": t_ready - t0,
         "compute_s": t_step - t_ready,
-        "publish_s": t_end - t_step,
+        "checkpoint_s": t_opt - t_step,
+        "publish_s": t_end - t_opt,
         "start": t0,
         "end": t_end,
         "pid": os.getpid(),
