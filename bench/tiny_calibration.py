@@ -61,7 +61,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     held = data.synthetic_problems(args.eval_size, split="heldout", seed=0, n_digits=spec.n_digits, n_terms=spec.n_terms)
     texts, trunc = generate(model, tok, [p.prompt for p in held], max_new_tokens=args.max_new_tokens)
-    greedy_acc = sum(gsm8k_reward(t, p.gold).score >= 1 for t, p in zip(texts, held)) / len(held)
+    greedy_acc = sum(gsm8k_reward(t, p.gold).score >= 1 for t, p in zip(texts, held, strict=True)) / len(held)
     train = data.synthetic_problems(args.groups, split="train", seed=99, n_digits=spec.n_digits, n_terms=spec.n_terms)
     texts, strunc = generate(model, tok, [p.prompt for p in train], n=6, greedy=False, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     rewards = [gsm8k_reward(t, train[i // 6].gold).score for i, t in enumerate(texts)]
