@@ -308,7 +308,8 @@ class _Driver:
         if ranks:
             r0 = ranks[0]
             spans.append({"name": "train", "iteration": it, "start": r0["start"], "end": r0["start"] + r0["prepare_s"] + r0["compute_s"]})
-            spans.append({"name": "publish", "iteration": it, "start": r0["end"] - r0["publish_s"], "end": r0["end"]})
+            spans.append({"name": "publish", "iteration": it, "start": r0["end"] - r0["publish_s"] - r0["checkpoint_s"],
+                          "end": r0["end"]})
         n_rollouts = len(rollouts)
         usable = sum(1 for a in adv.tolist() if a != 0)
         iter_end = time.time()
@@ -349,6 +350,8 @@ class _Driver:
             "train_s": t_train_end - t_train,
             "train_compute_s": ranks[0]["compute_s"] if ranks else None,
             "publish_s": ranks[0]["publish_s"] if ranks else None,
+            "checkpoint_s": ranks[0]["checkpoint_s"] if ranks else None,
+            "prepare_s": ranks[0]["prepare_s"] if ranks else None,
             "gang_restarts": self.gang.restarts,
             "t_iter_start": t_iter,
             "t_iter_end": iter_end,

@@ -56,3 +56,16 @@ def test_notebooks_are_clean_and_parameterized():
         tagged = [c for c in code if "parameters" in c.get("metadata", {}).get("tags", [])]
         assert len(tagged) == 1, f"{nb_path.name} needs exactly one cell tagged 'parameters'"
         assert nb["cells"].index(tagged[0]) <= 2, f"{nb_path.name}: the parameters cell should come first"
+
+
+def test_readme_documents_every_parameter_and_the_two_commands():
+    from grpo_kit import config
+
+    readme = (ROOT / "README.md").read_text()
+    assert "make demo" in readme and "make test" in readme
+    for name in config.flat_field_names():
+        assert f"`{name}`" in readme, f"README's parameter table lacks {name}"
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
