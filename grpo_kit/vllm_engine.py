@@ -33,6 +33,7 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import sys
 from collections.abc import Sequence
 
 from grpo_kit import data
@@ -52,6 +53,29 @@ def _import_vllm():
             "on CPU, or use the transformers engine (engine='hf')"
         ) from e
     return vllm, TokensPrompt, LoRARequest
+
+
+def _modules_unsafe_to_scan() -> dict:
+    """Modules whose globals raise on ``hasattr(value, "__dict__")``.
+
+    While an engine is built, vLLM (0.32, CPU platform) rebinds Triton kernels by scanning every
+    module's globals with ``hasattr(value, "__dict__")``. Context-local proxies such as werkzeug's
+    ``LocalProxy`` (flask's ``current_app``, imported by moto, jupyter extensions and web apps)
+    raise RuntimeError there instead of AttributeError, which aborts the engine build. Such
+    modules are taken out of ``sys.modules`` for the build and put back after it.
+    """
+    unsafe = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for value in list(namespace.values()):
+            try:
+                hasattr(value, "__dict__")
+            except Exception:  # any error here is exactly what would abort vLLM's scan
+                unsafe[name] = module
+                break
+    return unsafe
 
 
 class VLLMEngine:
@@ -106,6 +130,9 @@ class VLLMEngine:
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         saved_env, saved_set_threads = os.environ.get(key), torch.set_num_threads
         os.environ[key] = "0" if in_process else "1"
+        hidden = _modules_unsafe_to_scan()
+        for name in hidden:
+            del sys.modules[name]
         try:
             self.llm = vllm.LLM(
                 model=self.model_path,
@@ -122,6 +149,7 @@ class VLLMEngine:
                 **llm_kwargs,
             )
         finally:
+            sys.modules.update(hidden)
             torch.set_num_threads = saved_set_threads
             if saved_env is None:
                 os.environ.pop(key, None)

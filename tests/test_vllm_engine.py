@@ -152,3 +152,21 @@ def test_greedy_agrees_with_hf_engine(engine, store, tiny_path, problems):
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
     assert [r.text for r in a] == [r.text for r in b]
     hf.close()
+
+
+def test_modules_with_raising_proxies_are_hidden_from_vllms_scan(monkeypatch):
+    """flask's current_app (a werkzeug LocalProxy, imported by moto) made vLLM's engine build fail."""
+    import sys
+    import types
+
+    from grpo_kit.vllm_engine import _modules_unsafe_to_scan
+
+    class Proxy:
+        def __getattribute__(self, name):
+            raise RuntimeError("Working outside of application context.")
+
+    mod = types.ModuleType("grpo_kit_fake_flask")
+    mod.current_app = Proxy()
+    monkeypatch.setitem(sys.modules, "grpo_kit_fake_flask", mod)
+    unsafe = _modules_unsafe_to_scan()
+    assert "grpo_kit_fake_flask" in unsafe and "grpo_kit" not in unsafe
