@@ -297,6 +297,24 @@ def _wait_first_error(futures, timeout: float, alive=None):
     return set(futures), None
 
 
+def run_bounded(client: Client, fn, workers: list[str], timeout: float) -> dict:
+    """``client.run(fn)`` on ``workers``, bounded: workers that have not answered in ``timeout``
+    seconds (e.g. stuck destroying a process group under a collective) are restarted by their
+    nannies (``Client.restart_workers``) and reported as failed."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    fut = pool.submit(client.run, fn, workers=workers, on_error="return")
+    try:
+        return fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        log.warning("%s did not return within %.0fs on %s; restarting those workers", fn.__name__, timeout, workers)
+        client.restart_workers(workers, timeout=max(60.0, timeout), raise_for_error=False)
+        return {w: TimeoutError(f"{fn.__name__} timed out") for w in workers}
+    finally:
+        pool.shutdown(wait=False)
+
+
 class GangFailed(RuntimeError):
     """The trainer gang failed more often than ``max_restarts`` allows."""
 
@@ -373,7 +391,7 @@ class TrainerGang:
         deadline = time.time() + timeout
         while True:
             live = workers_with(self.client, TRAINER)
-            answers = self.client.run(teardown, workers=live, on_error="return") if live else {}
+            answers = run_bounded(self.client, teardown, live, self.base_spec.timeout_s) if live else {}
             ok = sorted(w for w, a in answers.items() if a is True)
             if len(ok) >= self.base_spec.world_size:
                 break
@@ -385,4 +403,4 @@ class TrainerGang:
     def close(self) -> None:
         live = workers_with(self.client, TRAINER)
         if live:
-            self.client.run(teardown, workers=live, on_error="return")
+            run_bounded(self.client, teardown, live, self.base_spec.timeout_s)

@@ -196,3 +196,20 @@ def test_all_zero_spread_batch_trains_and_is_reported(tmp_path, client):
         assert r["all_zero_spread"] and r["usable_samples"] == 0 and r["samples_nonzero_adv"] == 0
         assert r["truncated"] == cfg.sampling.batch_size
     assert _chain(AdapterStore(cfg.run.store_root)) == [1, 2]
+
+
+def _stuck(seconds: float = 30.0) -> bool:
+    time.sleep(seconds)  # a worker whose teardown is blocked (e.g. in destroy_process_group)
+    return True
+
+
+def test_stuck_teardown_is_bounded_and_worker_restarted(client):
+    trainers = cl.workers_with(client, cl.TRAINER)
+    pids_before = client.run(os.getpid, workers=trainers[:1])
+    t0 = time.time()
+    answers = cl.run_bounded(client, _stuck, trainers[:1], timeout=2.0)
+    assert time.time() - t0 < 60
+    assert isinstance(answers[trainers[0]], TimeoutError)
+    back = cl.wait_for_role(client, cl.TRAINER, 2)
+    pids_after = client.run(os.getpid, workers=back)
+    assert set(pids_before.values()).isdisjoint(pids_after.values())  # the stuck process was replaced
