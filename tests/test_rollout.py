@@ -123,16 +123,17 @@ def test_group_seeds_are_distinct_and_stable():
 # ----------------------------------------------------------------------------- HF engine contract
 
 
-def test_contract(engine, problems):
+def assert_contract(engine, problems, version: int) -> None:
+    """The Engine contract, checked on any engine: ids, grouping, log-probs, EOS and text."""
     assert isinstance(engine, Engine)
     n = 4
-    out = engine.generate(problems[:5], n, 0, max_new_tokens=MAX_NEW, seed=1, group_offset=10)
+    out = engine.generate(problems[:5], n, version, max_new_tokens=MAX_NEW, seed=1, group_offset=10)
     assert len(out) == 5 * n
     eos = engine.eos_token_id
     for k, r in enumerate(out):
         i, j = divmod(k, n)
         p = problems[i]
-        assert (r.prompt_id, r.group_id, r.sample_idx, r.version, r.gold) == (p.id, 10 + i, j, 0, p.gold)
+        assert (r.prompt_id, r.group_id, r.sample_idx, r.version, r.gold) == (p.id, 10 + i, j, version, p.gold)
         assert r.prompt_ids == engine.tokenizer.encode(p.prompt, add_special_tokens=False)
         assert len(r.logprobs) == len(r.completion_ids) > 0
         assert all(lp <= 0 for lp in r.logprobs)
@@ -145,6 +146,10 @@ def test_contract(engine, problems):
             r.completion_ids[:-1] if r.finish_reason == "stop" else r.completion_ids
         )
     assert any(r.finish_reason == "stop" for r in out), "the tiny model should finish most answers in 48 tokens"
+
+
+def test_contract(engine, problems):
+    assert_contract(engine, problems, version=0)
 
 
 def test_truncation_at_max_new_tokens(engine, problems):

@@ -16,12 +16,12 @@ import torch
 
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
-from grpo_kit.rollout import Engine, HFEngine
+from grpo_kit.rollout import HFEngine
 from grpo_kit.vllm_engine import _import_vllm
 
 pytest.importorskip("vllm")
 
-from test_rollout import assert_aligned, dlogp, perturbed_adapter, scorer  # noqa: E402  (pytest puts tests/ on sys.path)
+from test_rollout import assert_aligned, assert_contract, dlogp, perturbed_adapter, scorer  # noqa: E402  (pytest puts tests/ on sys.path)
 
 MAX_NEW = 48
 
@@ -66,22 +66,7 @@ def test_missing_vllm_is_a_clear_error(monkeypatch):
 
 
 def test_contract(engine, problems):
-    assert isinstance(engine, Engine)
-    n = 4
-    out = engine.generate(problems[:5], n, 1, max_new_tokens=MAX_NEW, seed=1, group_offset=10)
-    assert len(out) == 5 * n
-    eos = engine.eos_token_id
-    for k, r in enumerate(out):
-        i, j = divmod(k, n)
-        p = problems[i]
-        assert (r.prompt_id, r.group_id, r.sample_idx, r.version, r.gold) == (p.id, 10 + i, j, 1, p.gold)
-        assert r.prompt_ids == engine.tokenizer.encode(p.prompt, add_special_tokens=False)
-        assert len(r.logprobs) == len(r.completion_ids) > 0
-        assert r.finish_reason in ("stop", "length")
-        assert eos not in r.completion_ids[:-1]
-        assert (r.completion_ids[-1] == eos) == (r.finish_reason == "stop")
-        assert engine.tokenizer.eos_token not in r.text
-    assert any(r.finish_reason == "stop" for r in out)
+    assert_contract(engine, problems, version=1)
 
 
 def test_truncation_and_determinism(engine, problems):
