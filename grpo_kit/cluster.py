@@ -36,6 +36,7 @@ from .trainer import RankSpec, teardown, train_rank
 log = logging.getLogger(__name__)
 
 ENGINE_PLUGIN = "grpo-kit-engine"
+THREADS_PLUGIN = "grpo-kit-threads"
 ROLLOUT, TRAINER = "rollout", "trainer"
 
 
@@ -106,7 +107,7 @@ def connect(
     cluster.scale(len(roles))
     client = Client(cluster)
     client.wait_for_workers(len(roles), timeout=120)
-    client.register_plugin(ThreadsPlugin(), name="grpo-kit-threads")
+    client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)
     if not quiet:
         print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer workers; dashboard: {client.dashboard_link}")
     return client
@@ -124,10 +125,36 @@ def _visible_gpus() -> list[str]:
         return []
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+TRIM_THRESHOLD_BYTES = 128 << 20
+MMAP_THRESHOLD_BYTES = 32 << 20
+
+
+def tune_malloc() -> bool:
+    """Raise glibc's trim and mmap thresholds in this process; True if applied.
+
+    Dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536`` (config
+    ``distributed.nanny.pre-spawn-environ``). Setting any threshold turns glibc's adaptive mmap
+    threshold off, so every tensor over 128 KiB is mmapped and unmapped again, page faults included:
+    a tiny-profile training step measured 0.8 s in a nanny worker against 0.37 s outside one
+    (1 thread). Raising both thresholds at run time, which works on any cluster, restored 0.39 s.
+    Freed memory up to ``TRIM_THRESHOLD_BYTES`` may stay with the process. No-op off glibc.
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+
+
 class ThreadsPlugin(WorkerPlugin):
-    """Applies the CPU affinity and torch thread count a worker was started with."""
+    """Applies the CPU affinity and torch thread count a worker was started with, and
+    :func:`tune_malloc`. Registered on every cluster a run uses (local or remote)."""
 
     def setup(self, worker):
+        worker.grpo_kit_malloc_tuned = tune_malloc()
         cpus = os.environ.get("GRPO_KIT_CPUS")
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
@@ -214,6 +241,7 @@ def register_engines(client: Client, cfg: Config, model_path: str, store_root: s
         kw["seed"] = cfg.run.seed
         kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
     plugin = EnginePlugin(cfg.sampling.engine, model_path, store_root or cfg.run.store_root, storage_options, kw)
+    client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)  # also on clusters connect() did not start
     client.register_plugin(plugin, name=ENGINE_PLUGIN)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import threading
 import time
@@ -213,3 +214,19 @@ def test_stuck_teardown_is_bounded_and_worker_restarted(client):
     back = cl.wait_for_role(client, cl.TRAINER, 2)
     pids_after = client.run(os.getpid, workers=back)
     assert set(pids_before.values()).isdisjoint(pids_after.values())  # the stuck process was replaced
+
+
+def _malloc_state(dask_worker) -> tuple:
+    return os.environ.get("MALLOC_TRIM_THRESHOLD_"), getattr(dask_worker, "grpo_kit_malloc_tuned", None)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_workers_undo_the_nannys_malloc_setting(client):
+    """Dask's nanny sets MALLOC_TRIM_THRESHOLD_ (2x slower training steps, cluster.tune_malloc);
+    every kit worker, including a restarted one, raises the thresholds back at setup."""
+    states = client.run(_malloc_state)
+    assert len(states) == 4
+    for env, tuned in states.values():
+        assert env is not None  # the setting the plugin exists for is really there
+        assert tuned is True
+    assert cl.tune_malloc() is True
