@@ -2,7 +2,7 @@
 
     python bench/alignment.py [--problems 32] [--group-size 6] [--max-new-tokens 48]
 
-For each engine (vLLM, HF) on the tiny model with a non-trivial LoRA adapter (random B matrices,
+For each engine (vLLM with the adapter merged into its weights, vLLM with a per-request LoRA, HF) on the tiny model with a non-trivial LoRA adapter (random B matrices,
 published to an AdapterStore as version 1): sample completions, recompute the log-probs of the
 same token ids with ``train_step.token_logprobs`` under the same adapter (loaded from the store the
 way the trainer loads it), and report the on-policy importance ratio ``exp(logp - old_logp)``:
@@ -77,7 +77,9 @@ def main() -> None:
 
     results = {}
     engines = {
-        "vllm": lambda: VLLMEngine(path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8),
+        "vllm_merged": lambda: VLLMEngine(path, store=store, gpu_memory_utilization=0.1, lora_mode="merged"),
+        "vllm_request": lambda: VLLMEngine(path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8,
+                                           lora_mode="request"),
         "hf": lambda: HFEngine(path, store=store),
     }
     for name, build in engines.items():
@@ -88,7 +90,7 @@ def main() -> None:
         st = ratio_stats(path, store, args.version, rollouts)
         results[name] = st
         print(
-            f"{name:5s} v{args.version}: {st['tokens']} completion tokens ({st['truncated']} truncated), "
+            f"{name:12s} v{args.version}: {st['tokens']} completion tokens ({st['truncated']} truncated), "
             f"ratio mean {st['ratio_mean']:.8f} std {st['ratio_std']:.2e}, max |dlogp| {st['max_abs_dlogp']:.2e} "
             f"({time.perf_counter() - t0:.1f}s)",
             flush=True,

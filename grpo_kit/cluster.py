@@ -31,7 +31,7 @@ from .adapters import AdapterStore
 from .config import Config
 from .data import Problem
 from .reward import gsm8k_reward
-from .trainer import RankSpec, teardown, train_rank
+from .trainer import RankSpec, teardown, train_rank, warm
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,7 @@ def register_engines(client: Client, cfg: Config, model_path: str, store_root: s
         kw["max_lora_rank"] = max(8, cfg.lora.lora_r)
         kw["seed"] = cfg.run.seed
         kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
+        kw["lora_mode"] = cfg.sampling.lora_mode
     plugin = EnginePlugin(cfg.sampling.engine, model_path, store_root or cfg.run.store_root, storage_options, kw)
     client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)  # also on clusters connect() did not start
     client.register_plugin(plugin, name=ENGINE_PLUGIN)
@@ -262,6 +263,36 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
     for r in outs:
         r.iteration = iteration
     return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
+
+
+WARM_PROBLEM = Problem(id="warm-up", question="1 + 1 = ?", gold="2")
+
+
+def warm_engine(n: int = 4, max_new_tokens: int = 8) -> float:
+    """Build this worker's engine and sample once from the base model (a task run before the first
+    batch: first calls pay one-off kernel set-up); returns the seconds it took."""
+    t0 = time.time()
+    _engine().generate([WARM_PROBLEM], n, 0, max_new_tokens=max_new_tokens, seed=0)
+    return time.time() - t0
+
+
+def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
+    """Build every rollout worker's engine and every gang rank's policy (at ``version``), concurrently,
+    before the first iteration. Each task prefers its worker; if that worker leaves, another of the
+    role runs it, so nothing waits on a dead worker. A failed build raises here, before any batch.
+    Returns the seconds each part took on its worker."""
+    rollout = workers_with(client, ROLLOUT)
+    futures = {
+        f"engine {w}": client.submit(warm_engine, workers=[w], allow_other_workers=True, resources={ROLLOUT: 1},
+                                     key=f"{key}-warm-engine-{i}", pure=False)
+        for i, w in enumerate(rollout)
+    }
+    for spec, w in zip(gang._specs(), gang.workers, strict=True):
+        futures[f"trainer rank {spec.rank}"] = client.submit(
+            warm, spec, version, workers=[w], allow_other_workers=True, resources={TRAINER: 1},
+            key=f"{key}-warm-trainer-{spec.rank}", pure=False,
+        )
+    return dict(zip(futures, client.gather(list(futures.values())), strict=True))
 
 
 def reward_task(result: dict) -> dict:

@@ -152,6 +152,12 @@ def run(
         heldout_d = [cl.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
                          list(callbacks), records)
+        # engines and policies are built before the first iteration's clock starts
+        t_warm = time.time()
+        if progress:
+            print("warming up: building rollout engines and trainer policies ...", flush=True)
+        driver.warm = cl.warm_up(client, gang, state["version"], driver.key)
+        driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
         summary = driver.finish()
         return RunResult(run_dir, driver.records, summary)
@@ -432,6 +438,7 @@ class _Driver:
             "rejected_groups": sum(r["rejected_groups"] for r in self.records),
             "truncated": sum(r["truncated"] for r in self.records),
             "gang_restarts": self.gang.restarts,
+            "startup_s": getattr(self, "startup_s", None),
         }
         (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

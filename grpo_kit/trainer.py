@@ -197,6 +197,14 @@ def teardown() -> bool:
     return True
 
 
+def warm(spec: RankSpec, version: int) -> float:
+    """Build this process's policy and optimizer for ``spec`` and load ``version`` (a task run before
+    the first step, so that the first step costs a step). Returns the seconds it took."""
+    t0 = time.time()
+    get_state(spec).sync_to(version)
+    return time.time() - t0
+
+
 def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
     """One rank's part of one training step (a Dask task). Returns stats and timings."""
     t0 = time.time()

@@ -38,13 +38,15 @@ def store(tiny_path, tmp_path_factory):
     return s
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_path, store):
+@pytest.fixture(scope="module", params=["merged", "request"])
+def engine(request, tiny_path, store):
+    """Each test runs on both LoRA modes: the adapter merged into the weights, and a LoRARequest."""
     from grpo_kit.vllm_engine import VLLMEngine
 
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    eng = VLLMEngine(tiny_path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8)
+    eng = VLLMEngine(tiny_path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8, lora_mode=request.param)
+    assert eng.lora_mode == request.param
     # building it in-process leaves the host's environment and torch.set_num_threads as they were
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == env
     assert torch.set_num_threads is set_threads
@@ -111,14 +113,56 @@ def test_alignment_and_version_pickup(engine, store, tiny_path, problems):
     assert sum(len(r.prompt_ids) for r in out1) > 4096
     assert_aligned(dlogp(v1, out1))
 
-    store.publish(perturbed_adapter(tiny_path, seed=2), 2)  # the engine keeps running
-    out2 = engine.generate(problems, 6, 2, max_new_tokens=MAX_NEW, seed=0)
-    assert_aligned(dlogp(scorer(tiny_path, store, 2), out2))
+    v2 = store.latest() + 1  # 2, or 3 for the second engine (the store is shared)
+    store.publish(perturbed_adapter(tiny_path, seed=v2), v2)  # the engine keeps running
+    out2 = engine.generate(problems, 6, v2, max_new_tokens=MAX_NEW, seed=0)
+    assert_aligned(dlogp(scorer(tiny_path, store, v2), out2))
     stale = dlogp(v1, out2)  # had the engine kept v1, this would be ~0
     assert stale.abs().max().item() > 0.5 and stale.abs().mean().item() > 0.05
 
     out0 = engine.generate(problems, 6, 0, max_new_tokens=MAX_NEW, seed=0)
     assert_aligned(dlogp(scorer(tiny_path, store, 0), out0))
+    # back to v1 after v2 and the base model: exactly the first v1 samples (merged mode: the weights
+    # are rebuilt from base + delta and no cached prefix of another version is reused)
+    again = engine.generate(many, 6, 1, max_new_tokens=MAX_NEW, seed=0)
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in out1]
+
+
+def test_lora_modes_and_merged_weights(tiny_path, store, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo_kit.vllm_engine import VLLMEngine, adapter_deltas, base_weights, resolve_lora_mode
+
+    assert resolve_lora_mode("auto", on_cpu=True) == "merged"
+    assert resolve_lora_mode("auto", on_cpu=False) == "request"
+    assert resolve_lora_mode("request", on_cpu=True) == "request"
+    with pytest.raises(ValueError, match="lora_mode must be one of"):
+        VLLMEngine(tiny_path, store=store, lora_mode="fused")
+    with pytest.raises(ValueError, match="in_process=True"):
+        VLLMEngine(tiny_path, store=store, lora_mode="merged", in_process=False)
+    # base + delta is what PEFT's own merge gives, for every targeted weight and nothing else
+    deltas = adapter_deltas(store.fetch(1))
+    assert len(deltas) == 4 * 7 and "model.layers.0.self_attn.q_proj.weight" in deltas
+    base = base_weights(tiny_path)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), store.fetch(1))
+    merged = peft.merge_and_unload().state_dict()
+    for name, w in base.items():
+        want = merged[name]
+        got = w + deltas[name] if name in deltas else w
+        assert torch.allclose(got, want, atol=1e-6, rtol=0), name
+        assert (name in deltas) == (not torch.equal(w, want))
+    conf = tmp_path / "dora"
+    conf.mkdir()
+    import json
+    import shutil
+
+    for f in os.listdir(store.fetch(1)):
+        shutil.copy(os.path.join(store.fetch(1), f), conf / f)
+    cfg = json.loads((conf / "adapter_config.json").read_text())
+    (conf / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora"):
+        adapter_deltas(str(conf))
 
 
 def test_tempered_and_greedy_logprobs(engine, store, tiny_path, problems):
