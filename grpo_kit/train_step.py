@@ -5,6 +5,10 @@ the value for token ``input_ids[:, t]``, predicted from positions ``< t``. Colum
 and is 0; prompts are non-empty, so it is never a completion token. ``completion_mask`` is therefore
 the loss mask as it is, and an engine's sampling log-probs go at the completion tokens' own columns.
 
+Shared prompts: with ``OptimConfig.share_prompt`` the step's forwards use
+:func:`shared_prompt_logprobs`, which runs each group's prompt once and its completions on the
+prompt's key/value cache; values and gradients equal :func:`token_logprobs`'s up to float rounding.
+
 The step issues the same collectives, in the same order, on every rank whatever its shard holds
 (empty, uneven, all advantages zero), so it cannot deadlock:
 
@@ -125,15 +129,86 @@ def token_logprobs(
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
     rows = logits[:, :-1][m]  # (N, V) in the model dtype: the rows that predict completion tokens
     del logits  # autograd keeps only indices for the selection: the full (B, T, V) tensor is freed here
-    targets = input_ids[:, 1:][m]  # (N,)
+    vals = _rows_logprobs(rows, input_ids[:, 1:][m], chunk)  # (N,)
+    logp = vals.new_zeros((B, T - 1)).masked_scatter(m, vals)  # (B, T-1)
+    return F.pad(logp, (1, 0))  # (B, T)
+
+
+def _rows_logprobs(rows: Tensor, targets: Tensor, chunk: int) -> Tensor:
+    """``log_softmax(rows)[targets]`` for ``(N, V)`` logits rows, upcast ``chunk`` rows at a time."""
     dtype = torch.promote_types(rows.dtype, torch.float32)
     parts = []
     for x, y in zip(rows.split(chunk), targets.split(chunk), strict=True):
         x = x.to(dtype)  # (n, V)
         parts.append(x.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1))  # (n,)
-    vals = torch.cat(parts) if parts else rows.new_zeros((0,), dtype=dtype)  # (N,)
-    logp = vals.new_zeros((B, T - 1)).masked_scatter(m, vals)  # (B, T-1)
-    return F.pad(logp, (1, 0))  # (B, T)
+    return torch.cat(parts) if parts else rows.new_zeros((0,), dtype=dtype)  # (N,)
+
+
+def shared_prompt_logprobs(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *, chunk: int = 1024
+) -> Tensor:
+    """:func:`token_logprobs` (same layout, same values up to float rounding), with each run of
+    consecutive rows that share a prompt running that prompt once.
+
+    A GRPO group's completions share their prompt, so a batch of ``P`` groups of ``G`` holds each
+    prompt ``G`` times. Here the ``P`` distinct prompts go through the model once (right-padded,
+    ``use_cache=True``); their key/value cache is indexed out to the ``B`` rows
+    (``Cache.batch_select_indices``, differentiable), and the completions run on top of it with
+    explicit positions. Gradients flow through the cache into the prompt forward, so the LoRA
+    gradient is that of the full forward. Rows must be right-padded ``prompt + completion``
+    (:func:`collate`); rows whose prompts differ simply form runs of one.
+    """
+    if completion_mask[:, :1].any():
+        raise ValueError("completion_mask is set at column 0, which has no prediction; prompts must be non-empty")
+    B, T = input_ids.shape
+    device = input_ids.device
+    comp_len = completion_mask.sum(dim=1)  # (B,)
+    seq_len = attention_mask.sum(dim=1)  # (B,)
+    prompt_len = seq_len - comp_len  # (B,) completions follow their prompt (collate's layout)
+    cols = torch.arange(T, device=device)
+    want = (cols[None] >= prompt_len[:, None]) & (cols[None] < seq_len[:, None])
+    if B == 0 or int(comp_len.max()) == 0:  # nothing to share; the plain forward keeps the graph (and DDP) as is
+        return token_logprobs(model, input_ids, attention_mask, completion_mask, chunk=chunk)
+    if not torch.equal(want.to(completion_mask.dtype), completion_mask) or (prompt_len < 1).any():
+        raise ValueError("shared_prompt_logprobs needs right-padded rows of prompt then completion (train_step.collate)")
+
+    # runs of consecutive rows with the same prompt
+    in_prompt = cols[None] < prompt_len[:, None]  # (B, T)
+    same = (prompt_len[1:] == prompt_len[:-1]) & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(dim=1)
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same])  # (B,)
+    run = starts.long().cumsum(0) - 1  # (B,) run index of each row
+    heads = starts.nonzero().squeeze(1)  # (P,) first row of each run
+    Lp = int(prompt_len.max())
+    p_ids = input_ids[heads, :Lp]  # (P, Lp) prompt, then whatever follows it (masked out)
+    p_mask = in_prompt[heads, :Lp].to(attention_mask.dtype)  # (P, Lp)
+    p_pos = cols[:Lp].expand(len(heads), Lp)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True)
+    cache = out.past_key_values
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        raise TypeError(f"{type(model).__name__} returned no indexable cache; use share_prompt=False")
+    p_plen = prompt_len[heads]  # (P,)
+    last = out.logits[torch.arange(len(heads), device=device), p_plen - 1]  # (P, V): predicts completion token 0
+    del out
+    cache.batch_select_indices(run)  # (B, ...) per layer
+
+    Lc = int(comp_len.max())
+    c_cols = prompt_len[:, None] + torch.arange(Lc, device=device)[None]  # (B, Lc) columns in input_ids
+    c_mask = torch.arange(Lc, device=device)[None] < comp_len[:, None]  # (B, Lc)
+    c_ids = input_ids.gather(1, c_cols.clamp(max=T - 1)) * c_mask  # (B, Lc), 0 at padding
+    mask = torch.cat([p_mask[run], c_mask.to(attention_mask.dtype)], dim=1)  # (B, Lp + Lc)
+    logits = model(input_ids=c_ids, attention_mask=mask, position_ids=c_cols, past_key_values=cache,
+                   use_cache=False).logits  # (B, Lc, V)
+    has = comp_len > 0  # (B,)
+    first = _rows_logprobs(last[run[has]], c_ids[has, 0], chunk)  # (B0,) completion token 0
+    m = c_mask[:, 1:]  # (B, Lc-1) completion tokens 1.. predicted by completion positions 0..
+    rest = _rows_logprobs(logits[:, :-1][m], c_ids[:, 1:][m], chunk)  # (N - B0,)
+    del logits
+    r0 = has.nonzero().squeeze(1)
+    ri, rj = m.nonzero(as_tuple=True)
+    rows_i = torch.cat([r0, ri])
+    cols_t = torch.cat([prompt_len[r0], prompt_len[ri] + rj + 1])
+    vals = torch.cat([first, rest])
+    return vals.new_zeros((B, T)).index_put((rows_i, cols_t), vals)  # (B, T)
 
 
 def wrap_ddp(model: nn.Module, **kw) -> DDP:
@@ -227,6 +302,7 @@ def grpo_step(
     norm = Normalizer(num_seqs=n_samples, num_tokens=n_tokens, max_len=int(longest) if max_len is None else max_len)
 
     # (2) local micro-batches; gradients accumulate without communication
+    logprobs_fn = shared_prompt_logprobs if optim_cfg.share_prompt else token_logprobs
     loss_sum = torch.zeros((), dtype=f64, device=device)
     stats = LossStats.empty(device, kl=loss_cfg.kl_beta > 0)
     with model.no_sync() if distributed else contextlib.nullcontext():
@@ -236,8 +312,8 @@ def grpo_step(
             if loss_cfg.kl_beta > 0:
                 # the unwrapped module: a reference forward must not touch the DDP reducer
                 with torch.no_grad(), module.disable_adapter():
-                    ref_logp = token_logprobs(module, mb.input_ids, mb.attention_mask, mb.completion_mask)
-            logp = token_logprobs(model, mb.input_ids, mb.attention_mask, mb.completion_mask)  # (b, t)
+                    ref_logp = logprobs_fn(module, mb.input_ids, mb.attention_mask, mb.completion_mask)
+            logp = logprobs_fn(model, mb.input_ids, mb.attention_mask, mb.completion_mask)  # (b, t)
             loss, st = grpo_loss(
                 logp,
                 mb.old_logp,
