@@ -410,8 +410,12 @@ class TrainerGang:
     def step(self, samples: list, version: int, iteration: int, store: AdapterStore) -> dict:
         """Train on ``samples`` from ``version``; returns rank 0's stats (identical on all ranks)."""
         while True:
-            # the batch travels once per worker, not once per rank task through the scheduler
-            [batch] = self.client.scatter([samples], workers=self.workers, broadcast=True, hash=False)
+            # the batch travels once per worker, not once per rank task through the scheduler; one
+            # rank takes it inline with its task (a scatter would add a round trip)
+            if len(self.workers) == 1:
+                batch = samples
+            else:
+                [batch] = self.client.scatter([samples], workers=self.workers, broadcast=True, hash=False)
             futures = [
                 self.client.submit(train_rank, spec, batch, version, iteration, workers=[w], allow_other_workers=False,
                                    key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")

@@ -40,8 +40,10 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -215,8 +217,12 @@ class VLLMEngine:
             for name, w in self._base_weights.items()
         ]
         self._loaded_version = None  # a failure below leaves the weights unknown: reload next call
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()
+        with _quiet("vllm"):  # vLLM logs both at INFO on every call: once per training step here
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
+            )
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache after a weight change")
         self._loaded_version = version
 
     def _params(self, **kw):
@@ -305,6 +311,25 @@ class VLLMEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _quiet(name: str, level: int = logging.WARNING):
+    """Raise the level of logger ``name`` and its children for the block."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(max(level, before))
+    children = [lg for n, lg in logging.root.manager.loggerDict.items()
+                if n.startswith(name + ".") and isinstance(lg, logging.Logger)]
+    saved = [(lg, lg.level) for lg in children]
+    for lg, lv in saved:
+        lg.setLevel(max(level, lv))
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+        for lg, lv in saved:
+            lg.setLevel(lv)
 
 
 def resolve_lora_mode(mode: str, on_cpu: bool) -> str:
