@@ -1,6 +1,6 @@
 """grpo-kit against TRL's ``GRPOTrainer``: training wall time to a held-out accuracy target.
 
-    python bench/vs_trl.py [--steps N] [--prompts-per-step 8] [--eval-every K] [--quick] [--lr ...]
+    python bench/vs_trl.py [--repeats 3] [--steps N] [--prompts-per-step 8] [--eval-every K] [--quick] [--lr ...]
 
 Both sides train LoRA on the tiny base model (``grpo_kit.tiny``), on CPU in fp32, one after the other
 in this process: the same training prompts in the same order (the kit's own per-iteration draw), the
@@ -22,8 +22,10 @@ start-up (model loads, engine builds) and evaluation off both clocks:
   this bench's evaluation callback (the adapter saved at that step, evaluated in the process).
 
 The target is the smaller of the two final accuracies minus 2 points; each side's time to target is
-the clock at its first checkpoint (after step 0) that reaches it. Prints each setting that could
-not be matched exactly, a table, and as its last line a JSON object.
+the clock at its first checkpoint (after step 0) that reaches it. Timings on a shared 2-core VM vary
+by 10-30% from run to run, so the pair runs ``--repeats`` times (default 3), alternating which side
+goes first, and the headline figures are medians (each repeat's table is printed too). Prints each
+setting that could not be matched exactly, the tables, and as its last line a JSON object.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from grpo_kit.reward import gsm8k_reward
 
 TARGET_MARGIN = 0.02
 """The target is min(final accuracies) minus this."""
-QUICK = {"steps": 4, "prompts_per_step": 4, "eval_every": 2, "eval_size": 32}
+QUICK = {"steps": 4, "prompts_per_step": 4, "eval_every": 2, "eval_size": 32, "repeats": 1}
 """What ``--quick`` sets (a smoke run of a few minutes)."""
 
 
@@ -103,14 +105,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the kit's rollout engine (default: the kit's default, vllm)")
     ap.add_argument("--lora-mode", choices=("auto", "request", "merged"), default=tiny.sampling.lora_mode,
                     help="the kit's vLLM LoRA mode (default: the kit's default, auto)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="run both sides this many times, alternating which goes first; headline figures are medians")
     ap.add_argument("--live-eval", action="store_true",
                     help="the kit evaluates inside its loop, on its rollout worker and on its clock")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
-    if args.steps < 1 or args.eval_every < 1:
-        ap.error("--steps and --eval-every must be >= 1")
+    if args.steps < 1 or args.eval_every < 1 or args.repeats < 1:
+        ap.error("--steps, --eval-every and --repeats must be >= 1")
     return args
 
 
@@ -586,6 +590,60 @@ def report(
     return result
 
 
+def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: int, diffs: list[str],
+             kit_first: bool) -> dict:
+    """One kit run and one TRL run (in the given order), reported; returns the report's dict."""
+    t0 = time.time()
+    progress = not args.no_progress
+    kit = trl = None
+    cross, load = {}, {}
+
+    def kit_side():
+        nonlocal kit
+        print(
+            f"[grpo-kit] {cfg.run.iterations} iterations of {cfg.sampling.prompts_per_step} prompts x "
+            f"{cfg.sampling.group_size}, engine={cfg.sampling.engine}, pipelined={cfg.run.pipelined}",
+            flush=True,
+        )
+        load["kit_start"] = _load()
+        kit = run_kit(cfg, progress, args.live_eval)
+        load["kit_end"] = _load()
+
+    def trl_side():
+        nonlocal trl
+        print(f"[TRL] GRPOTrainer, same settings, {threads} torch threads", flush=True)
+        load["trl_start"] = _load()
+        trl = run_trl(cfg, out, progress)
+        load["trl_end"] = _load()
+
+    sides = [s for s, name in ((kit_side, "kit"), (trl_side, "trl")) if args.only in (None, name)]
+    for side in sides if kit_first else sides[::-1]:
+        side()
+    if kit is not None and trl is not None and args.live_eval:
+        from grpo_kit.adapters import AdapterStore
+
+        final_v = kit.checkpoints[-1][0]
+        eng = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
+        cross["kit_final_acc_hf"] = greedy_acc(eng, heldout_problems(cfg), final_v, cfg.sampling.max_new_tokens)
+        eng.close()
+    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval)
+    result["kit_first"] = kit_first
+    return result
+
+
+def summarize(results: list[dict]) -> dict:
+    """The last repeat's report with the headline keys replaced by medians over all repeats."""
+    import statistics
+
+    out = dict(results[-1])
+    for key in ("kit_time_to_target_s", "trl_time_to_target_s", "time_ratio"):
+        vals = [r[key] for r in results if r[key] is not None]
+        out[key] = statistics.median(vals) if len(vals) == len(results) else None
+        out[key + "_all"] = [r[key] for r in results]
+    out["repeats"] = len(results)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never wait on the hub
@@ -595,32 +653,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     threads = torch.get_num_threads()
     diffs = differences(cfg, threads, args.live_eval)
-    t0 = time.time()
-    progress = not args.no_progress
-    kit = trl = None
-    cross, load = {}, {}
-    if args.only in (None, "kit"):
-        print(
-            f"[grpo-kit] {cfg.run.iterations} iterations of {cfg.sampling.prompts_per_step} prompts x "
-            f"{cfg.sampling.group_size}, engine={cfg.sampling.engine}, pipelined={cfg.run.pipelined}",
-            flush=True,
-        )
-        load["kit_start"] = _load()
-        kit = run_kit(cfg, progress, args.live_eval)
-        load["kit_end"] = _load()
-    if args.only in (None, "trl"):
-        print(f"[TRL] GRPOTrainer, same settings, {threads} torch threads", flush=True)
-        load["trl_start"] = _load()
-        trl = run_trl(cfg, out, progress)
-        load["trl_end"] = _load()
-        if kit is not None and args.live_eval:
-            from grpo_kit.adapters import AdapterStore
-
-            final_v = kit.checkpoints[-1][0]
-            eng = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
-            cross["kit_final_acc_hf"] = greedy_acc(eng, heldout_problems(cfg), final_v, cfg.sampling.max_new_tokens)
-            eng.close()
-    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval)
+    results = []
+    for rep in range(args.repeats):
+        if args.repeats > 1:
+            print(f"\n===== repeat {rep + 1} of {args.repeats} ({'kit' if rep % 2 == 0 else 'TRL'} first)", flush=True)
+        results.append(run_pair(cfg, args, out, threads, diffs, kit_first=rep % 2 == 0))
+    result = summarize(results)
+    if args.repeats > 1:
+        ratios = ", ".join(_fmt(r) for r in result["time_ratio_all"])
+        print(f"\nover {args.repeats} repeats (alternating which side runs first): time ratio grpo-kit / TRL "
+              f"median {_fmt(result['time_ratio'])} (each: {ratios}); time to target median "
+              f"{_fmt(result['kit_time_to_target_s'], '.1f')} s against {_fmt(result['trl_time_to_target_s'], '.1f')} s")
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     sys.stdout.flush()

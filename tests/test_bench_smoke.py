@@ -114,3 +114,19 @@ def test_differences_are_strings(vs_trl):
     cfg = vs_trl.kit_config(vs_trl.parse_args([]))
     diffs = vs_trl.differences(cfg, threads=2)
     assert diffs and all(isinstance(d, str) and d for d in diffs)
+
+
+def test_repeats_report_medians_and_every_value(vs_trl):
+    reps = [
+        {"kit_time_to_target_s": k, "trl_time_to_target_s": t, "time_ratio": k / t, "x": i}
+        for i, (k, t) in enumerate([(5.0, 6.0), (4.0, 8.0), (6.0, 6.0)])
+    ]
+    out = vs_trl.summarize(reps)
+    assert out["time_ratio"] == pytest.approx(5.0 / 6.0)  # median of 0.833, 0.5, 1.0
+    assert out["kit_time_to_target_s"] == 5.0 and out["trl_time_to_target_s"] == 6.0
+    assert out["time_ratio_all"] == [r["time_ratio"] for r in reps]
+    assert out["repeats"] == 3 and out["x"] == 2  # the rest is the last repeat's report
+    # a repeat that never reached the target leaves no median
+    reps[1] = {**reps[1], "kit_time_to_target_s": None, "time_ratio": None}
+    assert vs_trl.summarize(reps)["time_ratio"] is None
+    assert vs_trl.parse_args([]).repeats == 3 and vs_trl.parse_args(["--quick"]).repeats == 1
