@@ -156,7 +156,7 @@ def run(
         t_warm = time.time()
         if progress:
             print("warming up: building rollout engines and trainer policies ...", flush=True)
-        driver.warm = cl.warm_up(client, gang, state["version"], driver.key)
+        driver.warm_up_s = cl.warm_up(client, gang, state["version"], driver.key)
         driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
         summary = driver.finish()
@@ -215,6 +215,8 @@ class _Driver:
         self.callbacks, self.records = callbacks, records
         self.pending: dict[int, _Pending] = {}
         self.evals: list = []  # (iteration, future)
+        self.startup_s: float | None = None  # engines and policies built before the first iteration
+        self.warm_up_s: dict = {}  # seconds per engine / rank (cluster.warm_up)
         # task keys are unique per run() call: two drivers on one scheduler never share a task
         self.key = f"{state['run_id']}-{os.urandom(3).hex()}"
         s = cfg.sampling
@@ -438,7 +440,8 @@ class _Driver:
             "rejected_groups": sum(r["rejected_groups"] for r in self.records),
             "truncated": sum(r["truncated"] for r in self.records),
             "gang_restarts": self.gang.restarts,
-            "startup_s": getattr(self, "startup_s", None),
+            "startup_s": self.startup_s,
+            "warm_up_s": self.warm_up_s,
         }
         (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -165,10 +165,10 @@ def shared_prompt_logprobs(
     comp_len = completion_mask.sum(dim=1)  # (B,)
     seq_len = attention_mask.sum(dim=1)  # (B,)
     prompt_len = seq_len - comp_len  # (B,) completions follow their prompt (collate's layout)
-    cols = torch.arange(T, device=device)
-    want = (cols[None] >= prompt_len[:, None]) & (cols[None] < seq_len[:, None])
     if B == 0 or int(comp_len.max()) == 0:  # nothing to share; the plain forward keeps the graph (and DDP) as is
         return token_logprobs(model, input_ids, attention_mask, completion_mask, chunk=chunk)
+    cols = torch.arange(T, device=device)
+    want = (cols[None] >= prompt_len[:, None]) & (cols[None] < seq_len[:, None])
     if not torch.equal(want.to(completion_mask.dtype), completion_mask) or (prompt_len < 1).any():
         raise ValueError("shared_prompt_logprobs needs right-padded rows of prompt then completion (train_step.collate)")
 

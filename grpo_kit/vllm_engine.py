@@ -9,14 +9,15 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   the base model (no LoRA request).
 - LoRA modes: ``lora_mode="request"`` attaches the version to each call as above (vLLM's LoRA
   kernels; several versions can share the engine). ``lora_mode="merged"`` builds the engine without
-  LoRA and, when a call asks for another version than the one loaded, loads ``W + (alpha/r) B A``
-  for the adapter's target modules into the model (``LLM.apply_model`` + ``load_weights``), then
-  empties the prefix cache so no cached block of the previous policy is reused. Calls run one at a
-  time, so each samples from exactly the version it names. On CPU vLLM's LoRA path is the slow
-  part: 8 prompts x 6 at 48 new tokens took 0.54 s with a LoRARequest against 0.22 s without
-  (1 thread, tiny model), so ``"auto"`` means merged on CPU and request on GPU. Merging is done in
-  float32 and cast to the model dtype; the trainer computes the unmerged sum, so sampling and
-  training log-probs differ by rounding (``bench/alignment.py`` measures both modes).
+  LoRA and, when a call asks for another version than the one loaded, reloads the checkpoint with
+  ``W + (alpha/r) B A`` for the adapter's target modules (vLLM's ``reload_weights``, which also
+  repacks the CPU kernels' weights), then empties the prefix cache so no cached block of the
+  previous policy is reused. It keeps a copy of the base checkpoint in host memory for that. Calls
+  run one at a time, so each samples from exactly the version it names. On CPU vLLM's LoRA path is
+  the slow part: 8 prompts x 6 at 48 new tokens took 0.54 s with a LoRARequest against 0.25 s
+  merged (1 thread, tiny model), so ``"auto"`` means merged on CPU and request on GPU. Merging is
+  done in float32 and cast to the model dtype; the trainer computes the unmerged sum, so sampling
+  and training log-probs differ by rounding (``bench/alignment.py`` measures both modes).
 - Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"``: the returned value is
   the log-prob under the distribution sampled from (after temperature; top-k and top-p are off).
   vLLM's default, ``raw_logprobs``, ignores temperature. Prompts go in as token ids

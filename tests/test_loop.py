@@ -100,6 +100,10 @@ def test_pipelined_run_records_and_chain(tmp_path, client):
     assert {"generate", "train", "publish", "eval"} <= kinds
     assert res.summary["acc_before"] is not None and res.summary["acc_after"] is not None
     assert res.summary["iterations"] == 4
+    # engines and both ranks were built before the first iteration, and that time is kept apart
+    warm = res.summary["warm_up_s"]
+    assert sorted(k.split(" ")[0] for k in warm) == ["engine"] * 2 + ["trainer"] * cfg.cluster.world_size
+    assert all(v > 0 for v in warm.values()) and res.summary["startup_s"] >= max(warm.values())
     _assert_groups_exact(tmp_path / "run", cfg)
     # the trainer gang was DDP over 2 ranks on 2 distinct worker processes
     assert res.records[0]["gang_restarts"] == 0
