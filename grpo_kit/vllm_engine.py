@@ -13,7 +13,8 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   ``W + (alpha/r) B A`` for the adapter's target modules (vLLM's ``reload_weights``, which also
   repacks the CPU kernels' weights), then empties the prefix cache so no cached block of the
   previous policy is reused. It keeps a copy of the base checkpoint in host memory for that. Calls
-  run one at a time, so each samples from exactly the version it names. On CPU vLLM's LoRA path is
+  take a lock (one at a time, whatever the worker's thread count), so each samples from exactly the
+  version it names. On CPU vLLM's LoRA path is
   the slow part: 8 prompts x 6 at 48 new tokens took 0.54 s with a LoRARequest against 0.25 s
   merged (1 thread, tiny model), so ``"auto"`` means merged on CPU and request on GPU. Merging is
   done in float32 and cast to the model dtype; the trainer computes the unmerged sum, so sampling
@@ -47,6 +48,7 @@ import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from grpo_kit import data
@@ -140,6 +142,7 @@ class VLLMEngine:
             raise ValueError("lora_mode='merged' loads weights into the model in this process: use in_process=True")
         self._loaded_version = 0
         self._base_weights: dict | None = None
+        self._lock = threading.Lock()  # one call at a time: in merged mode a call owns the weights
         if on_cpu:
             # A partially prefilled request has its sampled token discarded and its seeded generator
             # rewound with Generator.set_offset, which CPU generators do not have ("CPU Generator
@@ -178,8 +181,11 @@ class VLLMEngine:
             else:
                 os.environ[key] = saved_env
 
-        if on_cpu and cpu_threads is not None:
-            torch.set_num_threads(cpu_threads)
+        # vLLM's CPU attention checks that a call runs with the thread count the engine was built
+        # for, and a fresh thread starts with the default: _run applies it in whichever thread calls
+        self._cpu_threads = cpu_threads if on_cpu else None
+        if self._cpu_threads is not None:
+            torch.set_num_threads(self._cpu_threads)
         self.stop_ids = stop_token_ids(self.tokenizer, self._hf_generation_config())
         self.eos_token_id = self.stop_ids[0]
         self._SamplingParams = vllm.SamplingParams
@@ -268,11 +274,16 @@ class VLLMEngine:
         return self._run(problems, version, max_new_tokens, params, 0)
 
     def _run(self, problems, version, max_new_tokens, params, group_offset) -> list[Rollout]:
+        import torch
+
         prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len)
-        lora = self._lora(version)
-        outs = self.llm.generate(
-            [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False
-        )
+        with self._lock:
+            if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
+                torch.set_num_threads(self._cpu_threads)
+            lora = self._lora(version)
+            outs = self.llm.generate(
+                [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False
+            )
         rollouts = []
         for i, (problem, prompt, out) in enumerate(zip(problems, prompts, outs, strict=True)):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -298,6 +309,7 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the engine core down, free its memory and restore torch's thread count (best effort:
         vLLM keeps some process state, such as its cached environment)."""
+        self._base_weights = None
         llm, self.llm = getattr(self, "llm", None), None
         if llm is None:
             return

@@ -199,3 +199,31 @@ def test_modules_with_raising_proxies_are_hidden_from_vllms_scan(monkeypatch):
     monkeypatch.setitem(sys.modules, "grpo_kit_fake_flask", mod)
     unsafe = _modules_unsafe_to_scan()
     assert "grpo_kit_fake_flask" in unsafe and "grpo_kit" not in unsafe
+
+
+def test_concurrent_calls_each_get_their_own_version(engine, problems):
+    """A worker with several threads may call one engine at once, from threads other than the one
+    that built it. vLLM's LLM is not safe to drive from two threads, and in merged mode a call owns
+    the weights for its whole generation: the engine serializes calls (without its lock both
+    threads hang here) and applies its CPU thread count in the calling thread (vLLM's CPU attention
+    otherwise aborts: "thread_num == thread_num (2 vs. 1)")."""
+    import threading
+
+    kw = {"max_new_tokens": MAX_NEW, "seed": 11}
+    alone = {v: engine.generate(problems[:8], 4, v, **kw) for v in (0, 1)}
+    got, errors = {}, []
+
+    def call(v):
+        try:
+            got[v] = engine.generate(problems[:8], 4, v, **kw)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(v,)) for v in (1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and set(got) == {0, 1}
+    for v in (0, 1):
+        assert [r.to_dict() for r in got[v]] == [r.to_dict() for r in alone[v]]
