@@ -87,6 +87,11 @@ def test_kit_checkpoint_times_are_the_producing_iterations_end(vs_trl):
     points, wall = vs_trl.kit_checkpoints(recs)
     assert points == [(0, 0.0, 0.3), (2, 12.0, 0.6), (4, 17.0, 0.8)]
     assert wall == 17.0
+    # accuracies measured after the run (the default): same clocks, the given accuracies
+    points, _ = vs_trl.kit_checkpoints(recs, {0: 0.1, 1: 0.2, 4: 0.9})
+    assert points == [(0, 0.0, 0.1), (1, 10.0, 0.2), (4, 17.0, 0.9)]
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--steps", "10", "--eval-every", "4"]))
+    assert vs_trl.checkpoint_steps(cfg) == [0, 4, 8, 10]
 
 
 def test_time_to_target_skips_the_base_model(vs_trl):
