@@ -292,3 +292,28 @@ def test_pickles_for_workers(store, adapter_dir):
     assert os.path.isdir(clone.fetch(2))
     default_cache = AdapterStore(store.root, store.storage_options)  # per-process temp cache
     assert os.path.isfile(os.path.join(default_cache.fetch(2), "adapter_model.safetensors"))
+
+
+def test_save_adapter_writes_what_save_pretrained_writes(tmp_path):
+    """The store saves without PEFT's model card; the weights and config are PEFT's own."""
+    import json
+
+    from safetensors import safe_open
+
+    from grpo_kit.adapters import save_adapter
+
+    model = tiny_peft()
+    model.peft_config["default"].inference_mode = False  # as a policy in training is
+    ours, peft = tmp_path / "ours", tmp_path / "peft"
+    ours.mkdir()
+    save_adapter(model, str(ours))
+    model.save_pretrained(str(peft))
+    assert sorted(os.listdir(ours)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert set(os.listdir(peft)) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
+    assert json.loads((ours / "adapter_config.json").read_text()) == json.loads((peft / "adapter_config.json").read_text())
+    with safe_open(str(ours / "adapter_model.safetensors"), "pt") as a, safe_open(str(peft / "adapter_model.safetensors"), "pt") as b:
+        assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys())
+        for k in a.keys():
+            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    assert model.peft_config["default"].inference_mode is False  # left as it was
+    assert "create_or_update_model_card" not in vars(model)  # the class's method again
