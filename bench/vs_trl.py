@@ -307,7 +307,6 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     """TRL's GRPOTrainer on the kit's prompts."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
@@ -315,6 +314,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
 
     from grpo_kit.adapters import AdapterStore
     from grpo_kit.tiny import resolve_model
+    from grpo_kit.trainer import peft_lora_config
 
     s, loss_cfg, lora_cfg = cfg.sampling, cfg.loss, cfg.lora
     model_path = resolve_model(cfg.model.model)
@@ -368,13 +368,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
         mask_truncated_completions=False,
         log_completions=False,
     )
-    peft_config = LoraConfig(
-        r=lora_cfg.lora_r,
-        lora_alpha=lora_cfg.lora_alpha,
-        lora_dropout=lora_cfg.lora_dropout,
-        target_modules=list(lora_cfg.lora_targets),
-        task_type="CAUSAL_LM",
-    )
+    peft_config = peft_lora_config(lora_cfg)  # exactly the kit trainer's LoRA
     t_start = time.time()
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")

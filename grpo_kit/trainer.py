@@ -62,23 +62,29 @@ def _dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}[name]
 
 
-def build_policy(model_path: str, model_cfg: ModelConfig, lora_cfg: LoRAConfig, seed: int, device: str | None = None):
-    """The base model with a freshly initialised LoRA adapter (B = 0: the policy starts as the base)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+def peft_lora_config(lora_cfg: LoRAConfig):
+    """PEFT's ``LoraConfig`` for the kit's LoRA settings (the trainer's, and what benchmarks give peers)."""
+    from peft import LoraConfig
 
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_dtype(model_cfg.dtype))
-    if device:
-        base = base.to(device)
-    torch.manual_seed(seed)
-    peft_cfg = LoraConfig(
+    return LoraConfig(
         r=lora_cfg.lora_r,
         lora_alpha=lora_cfg.lora_alpha,
         lora_dropout=lora_cfg.lora_dropout,
         target_modules=list(lora_cfg.lora_targets),
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(base, peft_cfg)
+
+
+def build_policy(model_path: str, model_cfg: ModelConfig, lora_cfg: LoRAConfig, seed: int, device: str | None = None):
+    """The base model with a freshly initialised LoRA adapter (B = 0: the policy starts as the base)."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=_dtype(model_cfg.dtype))
+    if device:
+        base = base.to(device)
+    torch.manual_seed(seed)
+    model = get_peft_model(base, peft_lora_config(lora_cfg))
     model.train()
     return model
 

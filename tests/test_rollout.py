@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from grpo_kit import data, tiny
@@ -20,19 +20,22 @@ from grpo_kit.rollout import Engine, HFEngine, Rollout, group_seed
 from grpo_kit.train_step import collate, token_logprobs
 
 MAX_NEW = 48
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def perturbed_adapter(path, seed: int, scale: float = 0.05):
-    """A LoRA on the tiny model whose B matrices are random (the default B = 0 changes nothing)."""
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, scale)
-    return model.eval()
+def _bench_alignment():
+    """bench/alignment.py as a module (its ``perturbed_adapter`` is the one the benches publish)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "alignment.py"
+    spec = importlib.util.spec_from_file_location("bench_alignment", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+perturbed_adapter = _bench_alignment().perturbed_adapter
+"""A LoRA on the tiny model whose B matrices are random (the default B = 0 changes nothing)."""
 
 
 def scorer(path, store, version: int):
