@@ -77,8 +77,8 @@ def main() -> None:
 
     results = {}
     engines = {
-        "vllm_merged": lambda: VLLMEngine(path, store=store, gpu_memory_utilization=0.1, lora_mode="merged"),
-        "vllm_request": lambda: VLLMEngine(path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8,
+        "vllm_merged": lambda: VLLMEngine(path, store=store, lora_mode="merged"),
+        "vllm_request": lambda: VLLMEngine(path, store=store, max_lora_rank=8,
                                            lora_mode="request"),
         "hf": lambda: HFEngine(path, store=store),
     }

@@ -51,7 +51,7 @@ def main() -> None:
     texts = [p.prompt for p in problems]
     n, max_new = args.group_size, args.max_new_tokens
 
-    engine = VLLMEngine(path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8, lora_mode=args.lora_mode)
+    engine = VLLMEngine(path, store=store, max_lora_rank=8, lora_mode=args.lora_mode)
     hf = HFEngine(path, store=store)
     switch_s: list[float] = []
 

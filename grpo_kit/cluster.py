@@ -240,10 +240,29 @@ def register_engines(client: Client, cfg: Config, model_path: str, store_root: s
         kw["max_lora_rank"] = max(8, cfg.lora.lora_r)
         kw["seed"] = cfg.run.seed
         kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
+        kw["kv_cache_bytes"] = cfg.sampling.kv_cache_bytes
+        kw["max_batch_seqs"] = engine_batch_seqs(cfg)
         kw["lora_mode"] = cfg.sampling.lora_mode
     plugin = EnginePlugin(cfg.sampling.engine, model_path, store_root or cfg.run.store_root, storage_options, kw)
     client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)  # also on clusters connect() did not start
     client.register_plugin(plugin, name=ENGINE_PLUGIN)
+
+
+MAX_ENGINE_SEQS = 256
+"""Cap on the sequences one engine runs at once (vLLM's ``max_num_seqs``); larger evaluations queue."""
+
+
+def engine_batch_seqs(cfg: Config) -> int:
+    """The largest batch one rollout worker is sent: its share of a generation batch or the held-out
+    set, capped at :data:`MAX_ENGINE_SEQS`. The CPU engine sizes its KV cache for it.
+
+    >>> from grpo_kit.config import profile
+    >>> engine_batch_seqs(profile("tiny", eval_size=64)), engine_batch_seqs(profile("tiny", n_rollout_workers=2, eval_size=8))
+    (96, 48)
+    """
+    s = cfg.sampling
+    chunk = -(-s.prompts_per_step // max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))) * s.group_size
+    return min(MAX_ENGINE_SEQS, max(chunk, cfg.data.eval_size if cfg.run.eval_every else 1))
 
 
 def _engine():

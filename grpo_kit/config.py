@@ -76,7 +76,10 @@ class SamplingConfig:
     allow_tempered: bool = False
     """Accept temperature != 1.0 (the ratio is then taken against the tempered policy)."""
     gpu_memory_utilization: float = 0.15
-    """vLLM's memory fraction for weights + KV cache (on CPU: the fraction of RAM for the KV cache)."""
+    """vLLM's GPU memory fraction for weights + KV cache (GPU only; on CPU see ``kv_cache_bytes``)."""
+    kv_cache_bytes: int | None = None
+    """vLLM's KV cache on CPU, in bytes. None sizes it from the model's layers, KV heads, head size
+    and dtype, ``max_model_len`` and the largest batch the kit sends (``vllm_engine.cpu_kv_cache_bytes``)."""
     lora_mode: str = "auto"
     """How the vLLM engine applies an adapter version: ``"request"`` (a LoRARequest per call),
     ``"merged"`` (base + B A loaded into the weights when the version changes), or ``"auto"``
@@ -89,6 +92,7 @@ class SamplingConfig:
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
         _check(self.lora_mode in LORA_MODES, f"lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
+        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, f"kv_cache_bytes must be > 0 or None, got {self.kv_cache_bytes}")
         _check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(
             self.temperature == 1.0 or self.allow_tempered,

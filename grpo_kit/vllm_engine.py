@@ -28,6 +28,14 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   default: with it, a seeded batch larger than ``max_num_batched_tokens`` crashes vLLM 0.32's CPU
   runner (it rewinds a partially prefilled request's generator with ``set_offset``, which CPU
   generators lack: "CPU Generator does not use offset").
+- KV cache on CPU: vLLM-CPU sizes it, when given no size, as ``gpu_memory_utilization`` x the
+  MemTotal of NUMA node 0 *minus the RSS of the process building the engine*, so whether an engine
+  can be built depended on what that process already held (a notebook kernel with a dataset, a
+  test run that had loaded models) and on what node 0 reported that day. On CPU the engine
+  therefore passes an explicit ``kv_cache_memory_bytes``: :func:`cpu_kv_cache_bytes` computes it from
+  the model's layers, KV heads, head size and dtype, ``max_model_len`` and ``max_batch_seqs`` (the
+  largest batch the caller sends, which also becomes vLLM's ``max_num_seqs``), with headroom;
+  ``kv_cache_bytes=...`` overrides it. ``gpu_memory_utilization`` applies on GPUs only.
 - In-process: by default the engine core runs in the calling process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built), because a Dask worker may not
   be allowed to start child processes and one process is simpler to reason about. Side effects on
@@ -97,9 +105,11 @@ def _modules_unsafe_to_scan() -> dict:
 class VLLMEngine:
     """A warm vLLM engine with LoRA; ``llm_kwargs`` go to ``vllm.LLM`` unchanged.
 
-    On CPU, ``gpu_memory_utilization`` is the fraction of RAM reserved for the KV cache, and
-    ``cpu_threads`` the torch intra-op threads of the process (module docstring). ``in_process=False``
-    runs vLLM's engine core in a child process (its default; needs a ``__main__`` guard).
+    On CPU the KV cache gets ``kv_cache_bytes`` (None: :func:`cpu_kv_cache_bytes` for ``max_batch_seqs``
+    sequences of ``max_model_len`` tokens) and ``gpu_memory_utilization`` is ignored; on GPU it is
+    vLLM's memory fraction. ``cpu_threads`` is the torch intra-op thread count of the process
+    (module docstring). ``in_process=False`` runs vLLM's engine core in a child process (its
+    default; needs a ``__main__`` guard).
     """
 
     def __init__(
@@ -112,6 +122,8 @@ class VLLMEngine:
         max_lora_rank: int = 16,
         max_loras: int = 2,
         gpu_memory_utilization: float = 0.15,
+        kv_cache_bytes: int | None = None,
+        max_batch_seqs: int = 256,
         seed: int = 0,
         enforce_eager: bool = True,
         in_process: bool = True,
@@ -149,6 +161,12 @@ class VLLMEngine:
             # does not use offset"): without chunked prefill no request is ever partially prefilled.
             llm_kwargs.setdefault("enable_chunked_prefill", False)
             llm_kwargs.setdefault("max_num_batched_tokens", max(4096, max_model_len))
+            llm_kwargs.setdefault("max_num_seqs", max_batch_seqs)
+            if kv_cache_bytes is None:
+                kv_cache_bytes = cpu_kv_cache_bytes(
+                    self.model_path, dtype=dtype, max_model_len=max_model_len, max_seqs=llm_kwargs["max_num_seqs"]
+                )
+            llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         self._threads_before = torch.get_num_threads()
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         saved_env, saved_set_threads = os.environ.get(key), torch.set_num_threads
@@ -157,7 +175,8 @@ class VLLMEngine:
         for name in hidden:
             del sys.modules[name]
         try:
-            self.llm = vllm.LLM(
+            self.llm = _build_llm(
+                vllm,
                 model=self.model_path,
                 tokenizer=self.model_path,
                 dtype=dtype,
@@ -343,6 +362,55 @@ def _quiet(name: str, level: int = logging.WARNING):
         logger.setLevel(before)
         for lg, lv in saved:
             lg.setLevel(lv)
+
+
+def _build_llm(vllm, **kw):
+    """``vllm.LLM(**kw)``; a KV cache that does not fit in memory names the number to change."""
+    try:
+        return vllm.LLM(**kw)
+    except ValueError as e:
+        if "kv cache" not in str(e).lower() and "kv_cache" not in str(e).lower():
+            raise
+        size = kw.get("kv_cache_memory_bytes")
+        hint = (
+            f"the engine asked for a KV cache of {size / 2**20:.0f} MiB ({size} bytes, for max_num_seqs="
+            f"{kw.get('max_num_seqs')} sequences of max_model_len={kw.get('max_model_len')} tokens): lower "
+            "kv_cache_bytes (config field / VLLMEngine argument), max_model_len or the batch size, or free memory"
+            if size is not None
+            else f"lower gpu_memory_utilization (now {kw.get('gpu_memory_utilization')}) or free GPU memory"
+        )
+        raise MemoryError(f"vLLM could not allocate its KV cache: {hint}. vLLM said: {e}") from e
+
+
+KV_BLOCK_TOKENS = 128
+"""vLLM-CPU's KV-cache block size for standard attention (``platforms/cpu.py``): a sequence holds
+whole blocks."""
+KV_HEADROOM = 1.25
+"""Extra room over the computed need (a scheduling margin, and prompts rounded up to blocks)."""
+
+
+def cpu_kv_cache_bytes(model_path: str, *, dtype: str, max_model_len: int, max_seqs: int) -> int:
+    """KV-cache bytes for ``max_seqs`` sequences of up to ``max_model_len`` tokens of the model at
+    ``model_path``: ``2 (K and V) x layers x KV heads x head size x dtype bytes`` per token, each
+    sequence rounded up to whole blocks, one spare block, times :data:`KV_HEADROOM`.
+
+    For the tiny model (4 layers, 2 KV heads of 32, float32: 2 KiB a token), 256 sequences of 256
+    tokens need 160 MiB with the headroom.
+    """
+    import math
+
+    import torch
+    from transformers import AutoConfig
+
+    conf = AutoConfig.from_pretrained(model_path)
+    conf = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    heads = conf.num_attention_heads
+    kv_heads = getattr(conf, "num_key_value_heads", None) or heads
+    head_dim = getattr(conf, "head_dim", None) or conf.hidden_size // heads
+    elt = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * conf.num_hidden_layers * kv_heads * head_dim * elt
+    blocks = max_seqs * math.ceil(max_model_len / KV_BLOCK_TOKENS) + 1
+    return math.ceil(per_token * blocks * KV_BLOCK_TOKENS * KV_HEADROOM)
 
 
 def resolve_lora_mode(mode: str, on_cpu: bool) -> str:

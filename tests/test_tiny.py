@@ -64,7 +64,7 @@ from transformers import AutoTokenizer
 path, prompt = sys.argv[1], sys.argv[2]
 tok = AutoTokenizer.from_pretrained(path)
 ids = tok.encode(prompt, add_special_tokens=False)
-llm = LLM(model=path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.1, enforce_eager=True, seed=0)
+llm = LLM(model=path, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True, seed=0)
 out = llm.generate([TokensPrompt(prompt_token_ids=ids)], SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)
 print("RESULT " + json.dumps(list(out[0].outputs[0].token_ids)))
 """

@@ -9,6 +9,7 @@ published after it started, and its log-probs must be those the trainer recomput
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -45,7 +46,7 @@ def engine(request, tiny_path, store):
 
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     env = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    eng = VLLMEngine(tiny_path, store=store, gpu_memory_utilization=0.1, max_lora_rank=8, lora_mode=request.param)
+    eng = VLLMEngine(tiny_path, store=store, max_lora_rank=8, lora_mode=request.param)
     assert eng.lora_mode == request.param
     # building it in-process leaves the host's environment and torch.set_num_threads as they were
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == env
@@ -227,3 +228,59 @@ def test_concurrent_calls_each_get_their_own_version(engine, problems):
     assert not errors and set(got) == {0, 1}
     for v in (0, 1):
         assert [r.to_dict() for r in got[v]] == [r.to_dict() for r in alone[v]]
+
+
+BALLAST_SCRIPT = r"""
+import sys
+
+import psutil
+
+from grpo_kit import data
+from grpo_kit.vllm_engine import VLLMEngine
+
+path, util = sys.argv[1], float(sys.argv[2])
+try:
+    with open("/sys/devices/system/node/node0/meminfo") as f:
+        node0 = next(int(line.split()[3]) * 1024 for line in f if "MemTotal" in line)
+except (OSError, StopIteration):
+    node0 = psutil.virtual_memory().total
+ballast = bytearray(int(util * node0) + (256 << 20))
+ballast[:: 4096] = b"\x01" * len(range(0, len(ballast), 4096))  # touch every page: resident, not just reserved
+rss = psutil.Process().memory_info().rss
+assert rss > util * node0, (rss, node0)
+problems = data.synthetic_problems(4, split="heldout")
+for mode in ("merged", "request"):
+    engine = VLLMEngine(path, gpu_memory_utilization=util, lora_mode=mode)
+    out = engine.greedy(problems, 0, max_new_tokens=8)
+    assert len(out) == 4
+    engine.close()
+    print(f"BUILT {mode} rss={rss} node0={node0}", flush=True)
+"""
+
+
+def test_engine_builds_in_a_process_that_holds_more_than_vllms_cpu_budget(tiny_path):
+    """vLLM-CPU's default KV size is gpu_memory_utilization x node-0 MemTotal minus the building
+    process's RSS: negative in a process holding more than that (a notebook kernel with a dataset,
+    a test run), and every engine build failed. The engine now passes an explicit size in bytes."""
+    proc = subprocess.run([sys.executable, "-c", BALLAST_SCRIPT, tiny_path, "0.15"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("BUILT") == 2, proc.stdout
+
+
+def test_cpu_kv_cache_bytes_from_the_model_shape(tiny_path):
+    from grpo_kit.vllm_engine import KV_BLOCK_TOKENS, KV_HEADROOM, cpu_kv_cache_bytes
+
+    per_token = 2 * 4 * 2 * 32 * 4  # K and V x 4 layers x 2 KV heads x head size 32 x float32
+    one = cpu_kv_cache_bytes(tiny_path, dtype="float32", max_model_len=256, max_seqs=1)
+    assert one == -(-per_token * 3 * KV_BLOCK_TOKENS * KV_HEADROOM // 1)  # 2 blocks + a spare one
+    assert cpu_kv_cache_bytes(tiny_path, dtype="bfloat16", max_model_len=256, max_seqs=1) * 2 == one
+    many = cpu_kv_cache_bytes(tiny_path, dtype="float32", max_model_len=257, max_seqs=96)
+    assert many == -(-per_token * (96 * 3 + 1) * KV_BLOCK_TOKENS * KV_HEADROOM // 1)
+
+
+def test_an_engine_that_cannot_get_its_kv_cache_names_the_number(tiny_path):
+    from grpo_kit.vllm_engine import VLLMEngine
+
+    with pytest.raises(MemoryError, match="kv_cache_bytes"):
+        VLLMEngine(tiny_path, kv_cache_bytes=1 << 50)  # 1 PiB
