@@ -164,8 +164,8 @@ def checkpoint_steps(cfg: config.Config) -> list[int]:
 
 def hf_evaluator(cfg: config.Config, store):
     """The evaluator of both sides: the kit's transformers engine on ``store``'s adapters."""
+    from grpo_kit.models import resolve_model
     from grpo_kit.rollout import HFEngine
-    from grpo_kit.tiny import resolve_model
 
     return HFEngine(resolve_model(cfg.model.model), store=store, dtype=cfg.model.dtype,
                     max_model_len=cfg.model.max_model_len)
@@ -313,7 +313,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_kit.adapters import AdapterStore
-    from grpo_kit.tiny import resolve_model
+    from grpo_kit.models import resolve_model
     from grpo_kit.trainer import peft_lora_config
 
     s, loss_cfg, lora_cfg = cfg.sampling, cfg.loss, cfg.lora

@@ -30,6 +30,7 @@ from distributed import Client, Nanny, WorkerPlugin, get_worker, wait
 from .adapters import AdapterStore
 from .config import Config
 from .data import Problem
+from .prompts import PromptFormat
 from .reward import gsm8k_reward
 from .trainer import RankSpec, teardown, train_rank, warm
 
@@ -227,7 +228,7 @@ def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
     if kind == "hf":
         from .rollout import HFEngine
 
-        kw = {k: v for k, v in kw.items() if k in ("dtype", "max_model_len")}
+        kw = {k: v for k, v in kw.items() if k in ("dtype", "max_model_len", "prompt_format", "stop")}
         return HFEngine(model_path, store=store, **kw)
     raise ValueError(f"unknown engine {kind!r}")
 
@@ -235,7 +236,8 @@ def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
 def register_engines(client: Client, cfg: Config, model_path: str, store_root: str | None = None,
                      storage_options: dict | None = None) -> None:
     """Register the run's engine on every rollout worker (built there on first use)."""
-    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len}
+    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len, "prompt_format": prompt_format(cfg),
+          "stop": cfg.sampling.stop}
     if cfg.sampling.engine == "vllm":
         kw["max_lora_rank"] = max(8, cfg.lora.lora_r)
         kw["seed"] = cfg.run.seed
@@ -314,23 +316,38 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
     return dict(zip(futures, client.gather(list(futures.values())), strict=True))
 
 
-def reward_task(result: dict) -> dict:
+def prompt_format(cfg: Config) -> PromptFormat:
+    p = cfg.prompt
+    return PromptFormat(instruction=p.instruction, system_prompt=p.system_prompt, chat_template=p.chat_template)
+
+
+def reward_kwargs(cfg: Config) -> dict:
+    """Keyword arguments of :func:`~grpo_kit.reward.gsm8k_reward` for the run's reward settings."""
+    r = cfg.reward
+    return {"format_bonus": r.format_bonus, "lenient": r.lenient_credit > 0, "lenient_credit": r.lenient_credit}
+
+
+def reward_task(result: dict, reward_kw: dict | None = None) -> dict:
     """Score rollouts as soon as they complete (pure function of the texts)."""
     for r in result["rollouts"]:
-        res = gsm8k_reward(r["text"], r["gold"])
+        res = gsm8k_reward(r["text"], r["gold"], **(reward_kw or {}))
         r["reward"], r["reward_reason"] = res.score, res.reason
+        r["correct"], r["lenient_correct"] = res.correct, res.lenient_correct
     return result
 
 
 def eval_task(problems: list[dict], version: int, max_new_tokens: int) -> dict:
-    """Greedy held-out accuracy of adapter ``version`` (0 = the base model)."""
+    """Greedy held-out accuracy of adapter ``version`` (0 = the base model): strict (``acc``: the
+    ``####`` form and the right value) and lenient (``lenient_acc``: the right value by any rule)."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
-    correct = [gsm8k_reward(r.text, p.gold).score >= 1.0 for r, p in zip(outs, probs, strict=True)]
+    results = [gsm8k_reward(r.text, p.gold) for r, p in zip(outs, probs, strict=True)]
+    correct = [res.correct for res in results]
     return {
         "version": version,
         "acc": sum(correct) / max(1, len(correct)),
+        "lenient_acc": sum(res.lenient_correct for res in results) / max(1, len(results)),
         "n": len(correct),
         "truncated": sum(r.truncated for r in outs),
         "start": t0,

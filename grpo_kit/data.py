@@ -1,7 +1,7 @@
 """Questions with verifiable answers: GSM8K and a seeded synthetic arithmetic task.
 
-Both produce :class:`Problem` records; rollout and trainer share the one prompt template
-(:func:`format_prompt`, no chat template). The synthetic task is column addition written as a
+Both produce :class:`Problem` records. :func:`format_prompt` is the plain prompt (the tiny
+model's); chat models' prompts come from :mod:`grpo_kit.prompts`. The synthetic task is column addition written as a
 short worked trace in GSM8K's answer format::
 
     Question: What is 347 + 285?        (prompt)
@@ -26,8 +26,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-PROMPT_TEMPLATE = "Question: {question}\nGive the final answer as '#### <integer>'.\nAnswer:\n"
-"""The one prompt template, shared by rollout engines, trainer and evaluation."""
+DEFAULT_INSTRUCTION = "Give the final answer as '#### <integer>'."
+"""The answer-format instruction (a config field and notebook parameter: ``instruction``)."""
+PROMPT_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:\n"
+"""The plain (no chat template) prompt; :mod:`grpo_kit.prompts` renders chat models' prompts."""
 
 GSM8K_HUB_ID = "openai/gsm8k"
 
@@ -48,13 +50,13 @@ class Problem:
         return format_prompt(self.question)
 
 
-def format_prompt(question: str) -> str:
-    """The prompt for one question.
+def format_prompt(question: str, instruction: str = DEFAULT_INSTRUCTION) -> str:
+    """The plain prompt for one question.
 
     >>> format_prompt("What is 2 + 2?").splitlines()[0]
     'Question: What is 2 + 2?'
     """
-    return PROMPT_TEMPLATE.format(question=question.strip())
+    return PROMPT_TEMPLATE.format(question=question.strip(), instruction=instruction)
 
 
 # ----------------------------------------------------------------------------- GSM8K

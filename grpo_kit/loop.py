@@ -33,8 +33,8 @@ from .adapters import AdapterStore
 from .config import Config
 from .data import load_problems
 from .loss import group_advantages
+from .models import resolve_model
 from .rollout import Rollout
-from .tiny import resolve_model
 from .trainer import RankSpec
 
 RUN_STATE = "run"
@@ -99,6 +99,7 @@ def run(
     run_dir.mkdir(parents=True, exist_ok=True)
     store = store or AdapterStore(cfg.run.store_root, storage_options)
     storage_options = store.storage_options
+    model_path = resolve_model(cfg.model.model, progress=progress)  # before any cluster: a bad name fails at once
     own_client = client is None
     if own_client:
         client = cl.connect(
@@ -135,7 +136,6 @@ def run(
             p.write_text("".join(json.dumps(r) + "\n" for r in kept))
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
-        model_path = resolve_model(cfg.model.model)
         cl.register_engines(client, cfg, model_path, store.root, storage_options)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec(
@@ -222,6 +222,7 @@ class _Driver:
         s = cfg.sampling
         self.depth = cfg.run.max_staleness if cfg.run.pipelined else 0
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
+        self.reward_kw = cl.reward_kwargs(cfg)
 
     # ------------------------------------------------------------------ submission
     def problems_for(self, iteration: int):
@@ -243,7 +244,8 @@ class _Driver:
                 _seed(self.cfg.run.seed, iteration), c, iteration,
                 key=key, resources={cl.ROLLOUT: 1}, retries=2,
             )
-            futures.append(self.client.submit(cl.reward_task, gen, key=f"{self.key}-reward-{iteration}-{c}", retries=2))
+            futures.append(self.client.submit(cl.reward_task, gen, self.reward_kw, key=f"{self.key}-reward-{iteration}-{c}",
+                                              retries=2))
         self.pending[iteration] = _Pending(version, futures)
 
     def submit_eval(self, iteration: int, version: int) -> None:
@@ -264,6 +266,7 @@ class _Driver:
             self.state["evals"].append(res)
             if res["version"] == 0 and self.state["base_acc"] is None:
                 self.state["base_acc"] = res["acc"]
+                self.state["base_lenient_acc"] = res.get("lenient_acc")
         return done
 
     # ------------------------------------------------------------------ the loop
@@ -328,8 +331,10 @@ class _Driver:
             "rollout_version": pend.version,
             "reward_mean": float(torch.tensor([r.reward for r in rollouts]).mean()) if rollouts else None,
             "reward_std": float(torch.tensor([r.reward for r in rollouts]).std()) if n_rollouts > 1 else None,
-            "train_acc": sum(r.reward >= 1 for r in rollouts) / max(1, n_rollouts),
+            "train_acc": sum(bool(r.correct) for r in rollouts) / max(1, n_rollouts),
+            "train_lenient_acc": sum(bool(r.lenient_correct) for r in rollouts) / max(1, n_rollouts),
             "eval_acc": None,
+            "eval_lenient_acc": None,
             "base_acc": self.state["base_acc"],
             "loss": stats.get("loss"),
             "ratio_mean": stats.get("ratio_mean"),
@@ -394,6 +399,7 @@ class _Driver:
         rec["spans"].append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
         if res["version"] > 0:
             rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
+            rec["eval_lenient_acc"] = res.get("lenient_acc")
 
     def last_eval(self):
         evs = [e for e in self.state["evals"] if e["version"] > 0]
@@ -431,6 +437,8 @@ class _Driver:
         summary = {
             "acc_before": self.state["base_acc"],
             "acc_after": evs[-1]["acc"] if evs else None,
+            "lenient_acc_before": self.state.get("base_lenient_acc"),
+            "lenient_acc_after": evs[-1].get("lenient_acc") if evs else None,
             "grpo_wall_s": self.state["grpo_wall_s"],
             "iterations": self.state["next_iteration"],
             "final_version": final_version,

@@ -1,21 +1,35 @@
 """Verifiable GSM8K rewards: completion text in, number and score out; pure, no model.
 
-The answer is the number after the *last* ``####`` marker (GSM8K's own convention, so every gold
-solution scores 1.0 against itself). Commas, a ``$`` and surrounding whitespace are ignored; signs
-(``-``, ``+``, the Unicode minus) and decimals are kept. Answers compare as numbers, so ``18.00``
-equals ``18`` and ``1,000`` equals ``1000``. A lenient mode falls back to the last number in the
-text when no marker is present at all; a marker followed by no number is a failed answer either way.
+Rules, in order, and the one used is recorded in :attr:`RewardResult.rule`:
 
-Numbers glued to an exponent, a fraction bar, a power or a second decimal point (``1e3``, ``3/4``,
-``2^10``, ``1.2.3``) are rejected rather than read as their first digits, so they cannot score by
-accident. Any string, however malformed or long, gives a :class:`RewardResult` with a reason, never
-an exception: texts over ``max_chars`` are rejected before any scan, and every pattern here is
-linear in the text length. Caller bugs (a non-string completion, an unparseable gold) still raise.
+- ``"marker"``: the number after the *first* ``####`` marker, as lm-evaluation-harness's GSM8K
+  strict match reads it. The first, not the last: a chat model that answers and then keeps
+  writing (``#### 18\\n\\nQuestion: ... #### 4``) is graded on its answer, not on what it invented
+  after it. (A model that corrects itself with a second marker is graded on the first; the kit's
+  stop rules end most completions at the answer anyway.) Markdown emphasis and code marks around
+  the number (``#### **18**``, ``#### `18` ``), a ``$`` and surrounding whitespace are ignored.
+- ``"boxed"``: with no marker, the number inside the first ``\\boxed{...}``.
+- ``"last"``: with neither, the last number in the text.
+
+*Strict* correctness (:attr:`RewardResult.correct`) needs the marker and the right value: format
+and value. *Lenient* correctness (:attr:`RewardResult.lenient_correct`) accepts any rule. Both are
+always computed; the score uses the lenient rules only with ``lenient=True``. A marker followed by
+no number is a failed answer either way (lenient never overrides a marker).
+
+Signs (``-``, ``+``, the Unicode minus) and decimals are kept; commas are ignored; answers compare
+as numbers, so ``18.00`` equals ``18`` and ``1,000`` equals ``1000``. Numbers glued to an
+exponent, a fraction bar, a power or a second decimal point (``1e3``, ``3/4``, ``2^10``,
+``1.2.3``) are rejected rather than read as their first digits, so they cannot score by accident.
+Any string, however malformed or long, gives a :class:`RewardResult` with a reason, never an
+exception: texts over ``max_chars`` are rejected before any scan, and every pattern here is linear
+in the text length. Caller bugs (a non-string completion, an unparseable gold) still raise.
 
 >>> gsm8k_reward("48 / 2 = 24, so 48 + 24 = 72.\\n#### 72", 72)
-RewardResult(score=1.0, parsed=72.0, reason='correct')
+RewardResult(score=1.0, parsed=72.0, reason='correct', rule='marker', correct=True, lenient_correct=True)
 >>> gsm8k_reward("The answer is 72.", "72").reason
 "no '####' answer"
+>>> gsm8k_reward("The answer is 72.", "72").lenient_correct
+True
 """
 
 from __future__ import annotations
@@ -46,6 +60,10 @@ _FREE_NUMBER_RE = re.compile(r"(?<![\w.,/^])" + _NUMBER)
 # a fraction bar, a power, a second decimal point. Matched on a short window, so it is O(1) per number.
 _BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^]\s*[0-9]|\^|\.[0-9]")
 _TAIL_WINDOW = 32
+# Markdown emphasis / code marks a chat model puts around its answer: "#### **18**", "#### `18`".
+_MARKUP_RE = re.compile(r"[*_`]{1,3}\s*")
+_BOXED = "\\boxed{"
+_BOXED_MAX = 64  # a boxed answer longer than this is not a number
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +74,12 @@ class RewardResult:
     """The number read from the completion, or None when none could be read."""
     reason: str
     """Why this score, in a few words ("correct", "wrong answer 12 != 13", ...); never empty."""
+    rule: str | None = None
+    """How the number was read: ``"marker"``, ``"boxed"``, ``"last"``, or None when none was."""
+    correct: bool = False
+    """Strictly correct: read after the marker and equal to the gold (format and value)."""
+    lenient_correct: bool = False
+    """Correct by any rule (marker, ``\\boxed{}`` or the last number)."""
 
 
 def _to_float(m: re.Match[str]) -> float:
@@ -69,10 +93,13 @@ def _well_ended(text: str, end: int) -> bool:
 
 
 def _parse(text: str, marker: str, lenient: bool) -> tuple[float | None, str]:
-    """``(value, how)``; ``how`` is "marker" or "last" on success, else a short reason for failure."""
-    at = text.rfind(marker)
+    """``(value, rule)``; ``rule`` is "marker", "boxed" or "last" on success, else a short reason."""
+    at = text.find(marker)
     if at >= 0:
         tail = text[at + len(marker) :].lstrip()
+        m = _MARKUP_RE.match(tail)
+        if m is not None:
+            tail = tail[m.end() :]
         m = _NUMBER_RE.match(tail)
         if m is None:
             return None, f"no number after {marker!r}: {tail[:20]!r}"
@@ -81,6 +108,14 @@ def _parse(text: str, marker: str, lenient: bool) -> tuple[float | None, str]:
         return _to_float(m), "marker"
     if not lenient:
         return None, f"no {marker!r} answer"
+    at = text.find(_BOXED)
+    if at >= 0:
+        end = text.find("}", at, at + len(_BOXED) + _BOXED_MAX)
+        inner = text[at + len(_BOXED) : end].replace("\\$", "$").replace("\\,", "").strip() if end >= 0 else ""
+        m = _NUMBER_RE.fullmatch(inner)
+        if m is None:
+            return None, f"no {marker!r} answer; \\boxed{{}} holds no number: {text[at : at + 24]!r}"
+        return _to_float(m), "boxed"
     last = deque(_FREE_NUMBER_RE.finditer(text), maxlen=1)  # only the last match is kept
     if not last:
         return None, f"no {marker!r} answer and no number"
@@ -100,11 +135,16 @@ def _check_text(text: object, marker: str) -> None:
 def extract_answer(
     text: str, marker: str = MARKER, lenient: bool = False, *, max_chars: int = MAX_CHARS
 ) -> float | None:
-    """The number after the last ``marker`` in ``text`` (or, if ``lenient`` and there is no marker, the
-    last number in the text); None when there is none or ``text`` is longer than ``max_chars``.
+    """The number after the first ``marker`` in ``text`` (or, if ``lenient`` and there is no marker,
+    the one in ``\\boxed{}`` or else the last number in the text); None when there is none or
+    ``text`` is longer than ``max_chars``.
 
-    >>> extract_answer("#### 5 ... no wait\\n#### $1,000.00")
+    >>> extract_answer("#### $1,000.00\\n\\nQuestion: what is 2 + 2?\\n#### 4")
     1000.0
+    >>> extract_answer("#### **18**")
+    18.0
+    >>> extract_answer("so \\\\boxed{18}", lenient=True)
+    18.0
     >>> extract_answer("It costs -$3.50.\\n####   -3.5")
     -3.5
     >>> extract_answer("so she has 18 apples") is None
@@ -148,44 +188,57 @@ def gsm8k_reward(
     *,
     format_bonus: float = 0.0,
     lenient: bool = False,
+    lenient_credit: float = 1.0,
     max_chars: int = MAX_CHARS,
 ) -> RewardResult:
     """Score ``completion`` against the ``gold`` number (a number, or a string such as ``"1,000"``).
 
-    ``score`` is 1.0 for a correct answer and 0.0 otherwise, plus ``format_bonus`` whenever the answer
-    was read from the ``#### <n>`` form, *correct or not*: format is what the grader needs, and a small
-    bonus on well-formed wrong answers gives a model that has not yet learned the marker a signal to
-    learn it from (as separate format rewards do in R1-style recipes). Answers found by the lenient
-    last-number fallback get no bonus. Numbers compare exactly (both sides are parsed the same way).
+    ``score`` is 1.0 for a strictly correct answer (after the marker) and 0.0 otherwise, plus
+    ``format_bonus`` whenever the answer was read from the ``#### <n>`` form, *correct or not*. With
+    ``lenient``, an answer read without the marker (``\\boxed{}``, or the last number) scores
+    ``lenient_credit`` when right and never gets the bonus. Keep ``format_bonus`` small or zero: on a
+    model that rarely gets the value right, a bonus for the form alone is the easiest reward to
+    collect, and a policy can settle on ``#### <any number>``. A ``lenient_credit`` below 1 instead
+    rewards right values in any form and the marker form most.
 
     Empty, garbage or over-long completions score 0.0 with a reason; a non-string completion or an
     unparseable gold raise, since they are caller bugs, not model output.
 
-    >>> gsm8k_reward("#### 18.00", 18, format_bonus=0.1)
-    RewardResult(score=1.1, parsed=18.0, reason='correct')
-    >>> gsm8k_reward("#### 12", "13", format_bonus=0.1)
-    RewardResult(score=0.1, parsed=12.0, reason='wrong answer 12 != 13')
-    >>> gsm8k_reward("...so 1,000 in total", "1,000", lenient=True)
-    RewardResult(score=1.0, parsed=1000.0, reason="correct (no '####', last number)")
+    >>> gsm8k_reward("#### 18.00", 18, format_bonus=0.1).score
+    1.1
+    >>> gsm8k_reward("#### 12", "13", format_bonus=0.1).reason
+    'wrong answer 12 != 13'
+    >>> r = gsm8k_reward("...so 1,000 in total", "1,000", lenient=True, lenient_credit=0.5)
+    >>> r.score, r.reason, r.rule, r.correct, r.lenient_correct
+    (0.5, "correct (no '####', last number)", 'last', False, True)
     >>> gsm8k_reward("x" * 10_000_000, 5).reason
     'input too long (10000000 chars > 100000)'
     """
     _check_text(completion, MARKER)
-    if not (math.isfinite(format_bonus) and format_bonus >= 0.0):
-        raise ValueError(f"format_bonus must be finite and >= 0, got {format_bonus!r}")
+    for name, v in (("format_bonus", format_bonus), ("lenient_credit", lenient_credit)):
+        if not (math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
     target = _gold_value(gold)
     if len(completion) > max_chars:
         return RewardResult(0.0, None, f"input too long ({len(completion)} chars > {max_chars})")
     if not completion.strip():
         return RewardResult(0.0, None, "empty completion")
-    parsed, how = _parse(completion, MARKER, lenient)
+    parsed, how = _parse(completion, MARKER, lenient=True)
+    if how == "marker":
+        ok = parsed == target
+        reason = "correct" if ok else f"wrong answer {_fmt(parsed)} != {_fmt(target)}"
+        return RewardResult(float(ok) + format_bonus, parsed, reason, "marker", ok, ok)
+    loose_ok = parsed is not None and parsed == target
+    rule = how if parsed is not None else None
+    if not lenient:
+        strict_reason = _parse(completion, MARKER, lenient=False)[1]
+        return RewardResult(0.0, None, strict_reason, None, False, loose_ok)
     if parsed is None:
-        return RewardResult(0.0, None, how)
-    bonus = format_bonus if how == "marker" else 0.0
-    if parsed == target:
-        reason = "correct" if how == "marker" else f"correct (no {MARKER!r}, last number)"
-        return RewardResult(1.0 + bonus, parsed, reason)
-    return RewardResult(bonus, parsed, f"wrong answer {_fmt(parsed)} != {_fmt(target)}")
+        return RewardResult(0.0, None, how, None, False, False)
+    if loose_ok:
+        what = "last number" if rule == "last" else "\\boxed{}"
+        return RewardResult(lenient_credit, parsed, f"correct (no {MARKER!r}, {what})", rule, False, True)
+    return RewardResult(0.0, parsed, f"wrong answer {_fmt(parsed)} != {_fmt(target)}", rule, False, False)
 
 
 def reward_batch(completions: Sequence[str], golds: Sequence[float | str], **kw) -> list[RewardResult]:

@@ -28,8 +28,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 from grpo_kit import data
-
-FINISH_REASONS = ("stop", "length")
+from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts
 
 
 @dataclass
@@ -51,13 +50,19 @@ class Rollout:
     version: int
     """Adapter version that produced it; 0 = base model, no adapter."""
     finish_reason: str
-    """``"stop"`` (a stop token was sampled) or ``"length"`` (cut at ``max_new_tokens``)."""
+    """``"stop"`` (a stop token or stop string ended it) or ``"length"`` (cut at ``max_new_tokens``)."""
     text: str
-    """Decoded completion, without the stop token and special tokens."""
+    """Decoded completion, without the stop token or stop string and without special tokens."""
     gold: str | None
     """The problem's gold answer, carried along for the reward."""
+    stop: str | None = None
+    """The stop string that ended the completion (None: EOS, or cut at ``max_new_tokens``)."""
     reward: float | None = None
     reward_reason: str | None = None
+    correct: bool | None = None
+    """The answer is right by the reward's strict rule (format and value)."""
+    lenient_correct: bool | None = None
+    """The answer is right by any rule the reward knows (e.g. the last number in the text)."""
     iteration: int | None = None
     """Training iteration the rollout was generated for (set by the loop)."""
 
@@ -144,22 +149,6 @@ def check_request(n: int, version: int, max_new_tokens: int, temperature: float,
         )
 
 
-def encode_prompts(tokenizer, problems: Sequence[data.Problem], max_new_tokens: int, max_len: int) -> list[list[int]]:
-    """Token ids of each problem's prompt; a prompt that leaves no room for the completion raises."""
-    out = []
-    for p in problems:
-        ids = tokenizer.encode(p.prompt, add_special_tokens=False)
-        if not ids:
-            raise ValueError(f"problem {p.id!r}: the prompt tokenizes to nothing")
-        if len(ids) + max_new_tokens > max_len:
-            raise ValueError(
-                f"problem {p.id!r}: prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                f"engine's context of {max_len} tokens (raise max_model_len or shorten the prompt)"
-            )
-        out.append(ids)
-    return out
-
-
 def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     """The tokenizer's EOS plus any the model's generation config lists (vLLM stops on both)."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -172,9 +161,16 @@ def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
     return ids
 
 
-def decode_completion(tokenizer, completion_ids: Sequence[int], finish_reason: str) -> str:
-    ids = list(completion_ids[:-1] if finish_reason == "stop" else completion_ids)
-    return tokenizer.decode(ids, skip_special_tokens=True)
+def make_rollout(tokenizer, problem: data.Problem, prompt: list[int], ids: list[int], logprobs: list[float],
+                 finish_reason: str, stop: Sequence[str], **fields) -> Rollout:
+    """A :class:`Rollout` for one sampled completion, with the stop strings applied (the kept
+    tokens and their log-probs, the text before the stop string)."""
+    cut = cut_completion(tokenizer, ids, finish_reason, stop)
+    return Rollout(
+        prompt_id=problem.id, prompt_ids=list(prompt), completion_ids=list(ids[: cut.n_tokens]),
+        logprobs=list(logprobs[: cut.n_tokens]), finish_reason=cut.finish_reason, text=cut.text, gold=problem.gold,
+        stop=cut.stop, **fields,
+    )
 
 
 # ----------------------------------------------------------------------------- transformers engine
@@ -197,12 +193,15 @@ class HFEngine:
         dtype: str = "float32",
         max_model_len: int = 256,
         device: str | None = None,
+        prompt_format: PromptFormat | None = None,
+        stop: Sequence[str] = (),
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         self.model_path = str(model_path)
         self.store = store
+        self.prompt_format, self.stop = prompt_format or PromptFormat(), tuple(stop)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
@@ -278,7 +277,7 @@ class HFEngine:
         import torch
         from transformers import GenerationConfig
 
-        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len)
+        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len, self.prompt_format)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
@@ -321,21 +320,8 @@ class HFEngine:
             end = next((t + 1 for t, tok in enumerate(ids) if tok in stop), None)
             finish = "stop" if end is not None else "length"
             end = end if end is not None else len(ids)  # never stopped: generate ran max_new_tokens steps
-            comp = ids[:end]
-            rollouts.append(
-                Rollout(
-                    prompt_id=problems[i].id,
-                    group_id=group_offset + i,
-                    sample_idx=j,
-                    prompt_ids=list(prompts[i]),
-                    completion_ids=comp,
-                    logprobs=lps[:end],
-                    version=version,
-                    finish_reason=finish,
-                    text=decode_completion(self.tokenizer, comp, finish),
-                    gold=problems[i].gold,
-                )
-            )
+            rollouts.append(make_rollout(self.tokenizer, problems[i], prompts[i], ids[:end], lps[:end], finish, self.stop,
+                                         group_id=group_offset + i, sample_idx=j, version=version))
         return rollouts
 
     def close(self) -> None:

@@ -68,7 +68,7 @@ class TinySpec:
         return self.hidden_size // self.num_heads
 
     def key(self) -> str:
-        blob = json.dumps({"spec": dataclasses.asdict(self), "format": FORMAT_VERSION, "template": data.PROMPT_TEMPLATE}, sort_keys=True)
+        blob = json.dumps({"spec": dataclasses.asdict(self), "format": FORMAT_VERSION, "template": data.format_prompt("{question}")}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -233,10 +233,3 @@ def ensure_tiny_model(spec: TinySpec | None = None, *, cache_dir: str | os.PathL
 def tiny_info(path: str | os.PathLike) -> dict:
     """The build record saved beside a tiny model (spec and pretraining timings)."""
     return json.loads((Path(path) / "grpo_kit_tiny.json").read_text())
-
-
-def resolve_model(model: str) -> str:
-    """``"tiny"`` becomes the cached tiny model's directory; anything else is returned as is."""
-    return str(ensure_tiny_model()) if model == "tiny" else model
-
-

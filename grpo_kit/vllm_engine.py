@@ -61,7 +61,8 @@ from collections.abc import Sequence
 
 from grpo_kit import data
 from grpo_kit.config import LORA_MODES
-from grpo_kit.rollout import Rollout, check_request, decode_completion, encode_prompts, group_seed, stop_token_ids
+from grpo_kit.prompts import PromptFormat, encode_prompts
+from grpo_kit.rollout import Rollout, check_request, group_seed, make_rollout, stop_token_ids
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -129,6 +130,8 @@ class VLLMEngine:
         in_process: bool = True,
         cpu_threads: int | None = 1,
         lora_mode: str = "auto",
+        prompt_format: PromptFormat | None = None,
+        stop: Sequence[str] = (),
         **llm_kwargs,
     ) -> None:
         import torch
@@ -143,6 +146,7 @@ class VLLMEngine:
             )
         self.model_path = str(model_path)
         self.store = store
+        self.prompt_format, self.stop = prompt_format or PromptFormat(), tuple(stop)
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
@@ -253,7 +257,11 @@ class VLLMEngine:
 
     def _params(self, **kw):
         extra = {"flat_logprobs": True} if self._flat else {}
-        return self._SamplingParams(logprobs=0, detokenize=False, **extra, **kw)
+        if self.stop:  # vLLM stops early on them (it needs the text for that); the cut is the kit's own
+            extra.update(stop=list(self.stop), include_stop_str_in_output=True, detokenize=True)
+        else:
+            extra["detokenize"] = False
+        return self._SamplingParams(logprobs=0, **extra, **kw)
 
     # ---- sampling --------------------------------------------------------------------------------
 
@@ -295,7 +303,7 @@ class VLLMEngine:
     def _run(self, problems, version, max_new_tokens, params, group_offset) -> list[Rollout]:
         import torch
 
-        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len)
+        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len, self.prompt_format)
         with self._lock:
             if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
                 torch.set_num_threads(self._cpu_threads)
@@ -309,20 +317,12 @@ class VLLMEngine:
                 if c.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"problem {problem.id!r}: vLLM finished a sample with {c.finish_reason!r}")
                 ids = list(c.token_ids)
-                rollouts.append(
-                    Rollout(
-                        prompt_id=problem.id,
-                        group_id=group_offset + i,
-                        sample_idx=c.index,
-                        prompt_ids=list(prompt),
-                        completion_ids=ids,
-                        logprobs=_sampled_logprobs(c, ids),
-                        version=version,
-                        finish_reason=c.finish_reason,
-                        text=decode_completion(self.tokenizer, ids, c.finish_reason),
-                        gold=problem.gold,
-                    )
-                )
+                # vLLM's "stop" is an EOS id (kept as the last id) or one of the stop strings, whose
+                # completing token is the last id: the kit's own cut (make_rollout) finds it again
+                eos_last = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.stop_ids
+                rollouts.append(make_rollout(self.tokenizer, problem, prompt, ids, _sampled_logprobs(c, ids),
+                                             "stop" if eos_last else "length", self.stop,
+                                             group_id=group_offset + i, sample_idx=c.index, version=version))
         return rollouts
 
     def close(self) -> None:

@@ -49,7 +49,17 @@ def test_every_gsm8k_gold_solution_scores_correct():
 # (completion, lenient, expected number or None). Each row says why it is there.
 EXTRACT_CASES = [
     ("#### 72", False, 72),  # the GSM8K form itself
-    ("#### 5\nwait, no.\n#### 7", False, 7),  # several markers: the last one wins
+    ("#### 5\nwait, no.\n#### 7", False, 5),  # several markers: the first one wins (lm-eval's strict match)
+    ("#### 18\n\nQuestion: What is 2 + 2?\n#### 4", False, 18),  # a chat model that keeps writing: its answer counts
+    ("#### **18**", False, 18),  # markdown bold around the answer, as chat models write it
+    ("#### *18*.", False, 18),  # ... italics, then a full stop
+    ("#### `18`", False, 18),  # ... a code mark
+    ("#### **$18.00**", False, 18),  # ... bold around a currency amount
+    ("\\boxed{18}", True, 18),  # lenient: a boxed answer with no marker
+    ("\\boxed{\\$1,000}", True, 1000),  # lenient: LaTeX-escaped dollar inside the box
+    ("\\boxed{18} but the last number is 3", True, 18),  # lenient: the box wins over the last number
+    ("\\boxed{\\frac{3}{4}}", True, None),  # lenient: a LaTeX fraction is not read as a number here
+    ("\\boxed{18}", False, None),  # strict: a box is not the marker
     ("#### 7\n... on reflection 5 is right", False, 7),  # numbers after the answer line do not override it
     ("#### 1,000", False, 1000),  # thousands separator
     ("#### $1,000.00", False, 1000),  # dollar, separator and cents all at once
@@ -73,7 +83,7 @@ EXTRACT_CASES = [
     ("The answer is #### 42", False, 42),  # the marker mid-line
     ("#### ", False, None),  # marker with no number
     ("#### the answer is 42", False, None),  # marker followed by words: the number must come first
-    ("#### 42\n#### ", False, None),  # the last marker has no number, even though an earlier one did
+    ("#### \n#### 42", False, None),  # the first marker has no number, even though a later one does
     ("#### $", False, None),  # a dollar sign alone
     ("#### 1e3", False, None),  # scientific notation is rejected, never read as 1
     ("#### 3/4", False, None),  # a fraction is rejected, never read as 3
@@ -113,29 +123,42 @@ def test_extract_answer_custom_marker():
 
 
 # (completion, gold, kwargs, expected RewardResult). Each row says why it is there.
+M, L = "marker", "last"
+OK, WRONG = (True, True), (False, False)  # (strictly correct, leniently correct)
 REWARD_CASES = [
-    ("#### 72", 72, {}, RewardResult(1.0, 72.0, "correct")),  # the plain case
-    ("#### 18.00", 18, {}, RewardResult(1.0, 18.0, "correct")),  # numeric, not string, equality
-    ("#### 18", "18.00", {}, RewardResult(1.0, 18.0, "correct")),  # ... whichever side has the zeros
-    ("#### $1,000.00", "1,000", {}, RewardResult(1.0, 1000.0, "correct")),  # a string gold with a separator
-    ("#### 1000", 1000.0, {}, RewardResult(1.0, 1000.0, "correct")),  # a float gold
-    ("#### 0.75", Fraction(3, 4), {}, RewardResult(1.0, 0.75, "correct")),  # any real number type as gold
-    ("#### 0.5", Decimal("0.50"), {}, RewardResult(1.0, 0.5, "correct")),  # ... Decimal too
-    ("#### -3", -3, {}, RewardResult(1.0, -3.0, "correct")),  # negative gold
-    ("#### -0", 0, {}, RewardResult(1.0, -0.0, "correct")),  # minus zero is zero
-    ("#### 12", 13, {}, RewardResult(0.0, 12.0, "wrong answer 12 != 13")),  # wrong: the reason shows both
-    ("#### 12.5", 13, {}, RewardResult(0.0, 12.5, "wrong answer 12.5 != 13")),  # wrong, non-integer
-    ("#### 13\n#### 12", 13, {}, RewardResult(0.0, 12.0, "wrong answer 12 != 13")),  # last marker wins
+    ("#### 72", 72, {}, RewardResult(1.0, 72.0, "correct", M, *OK)),  # the plain case
+    ("#### 18.00", 18, {}, RewardResult(1.0, 18.0, "correct", M, *OK)),  # numeric, not string, equality
+    ("#### 18", "18.00", {}, RewardResult(1.0, 18.0, "correct", M, *OK)),  # ... whichever side has the zeros
+    ("#### $1,000.00", "1,000", {}, RewardResult(1.0, 1000.0, "correct", M, *OK)),  # a string gold with a separator
+    ("#### 1000", 1000.0, {}, RewardResult(1.0, 1000.0, "correct", M, *OK)),  # a float gold
+    ("#### 0.75", Fraction(3, 4), {}, RewardResult(1.0, 0.75, "correct", M, *OK)),  # any real number type as gold
+    ("#### 0.5", Decimal("0.50"), {}, RewardResult(1.0, 0.5, "correct", M, *OK)),  # ... Decimal too
+    ("#### -3", -3, {}, RewardResult(1.0, -3.0, "correct", M, *OK)),  # negative gold
+    ("#### -0", 0, {}, RewardResult(1.0, -0.0, "correct", M, *OK)),  # minus zero is zero
+    ("#### **18**", 18, {}, RewardResult(1.0, 18.0, "correct", M, *OK)),  # markdown around the answer is still strict
+    ("#### 12", 13, {}, RewardResult(0.0, 12.0, "wrong answer 12 != 13", M, *WRONG)),  # wrong: the reason shows both
+    ("#### 12.5", 13, {}, RewardResult(0.0, 12.5, "wrong answer 12.5 != 13", M, *WRONG)),  # wrong, non-integer
+    ("#### 13\n#### 12", 13, {}, RewardResult(1.0, 13.0, "correct", M, *OK)),  # the first marker wins
+    # a marked wrong answer is wrong even when the right number appears later: lenient never overrides a marker
+    ("#### 12, no: 13", 13, {"lenient": True}, RewardResult(0.0, 12.0, "wrong answer 12 != 13", M, *WRONG)),
     # format bonus: added to a correct answer in '#### <n>' form ...
-    ("#### 72", 72, {"format_bonus": 0.1}, RewardResult(1.1, 72.0, "correct")),
+    ("#### 72", 72, {"format_bonus": 0.1}, RewardResult(1.1, 72.0, "correct", M, *OK)),
     # ... and, by design, to a well-formed wrong one (a format signal before correctness is learned)
-    ("#### 71", 72, {"format_bonus": 0.1}, RewardResult(0.1, 71.0, "wrong answer 71 != 72")),
+    ("#### 71", 72, {"format_bonus": 0.1}, RewardResult(0.1, 71.0, "wrong answer 71 != 72", M, *WRONG)),
     # ... but never to an answer found by the lenient fallback
-    ("so 72", 72, {"format_bonus": 0.1, "lenient": True}, RewardResult(1.0, 72.0, "correct (no '####', last number)")),
-    ("so 71", 72, {"format_bonus": 0.1, "lenient": True}, RewardResult(0.0, 71.0, "wrong answer 71 != 72")),
+    ("so 72", 72, {"format_bonus": 0.1, "lenient": True},
+     RewardResult(1.0, 72.0, "correct (no '####', last number)", L, False, True)),
+    ("so 71", 72, {"format_bonus": 0.1, "lenient": True}, RewardResult(0.0, 71.0, "wrong answer 71 != 72", L, *WRONG)),
+    # lenient_credit: a right value without the marker scores less than the strict form
+    ("so 72", 72, {"lenient": True, "lenient_credit": 0.5},
+     RewardResult(0.5, 72.0, "correct (no '####', last number)", L, False, True)),
+    ("\\boxed{72}", 72, {"lenient": True, "lenient_credit": 0.5},
+     RewardResult(0.5, 72.0, "correct (no '####', \\boxed{})", "boxed", False, True)),
     # ... nor to a marker with no number
-    ("#### ", 72, {"format_bonus": 0.1}, RewardResult(0.0, None, "no number after '####': ''")),
-    ("The answer is 72.", 72, {}, RewardResult(0.0, None, "no '####' answer")),  # strict: no marker, no score
+    ("#### ", 72, {"format_bonus": 0.1}, RewardResult(0.0, None, "no number after '####': ''", None, *WRONG)),
+    # strict: no marker, no score; the lenient verdict is still recorded (for the lenient accuracy)
+    ("The answer is 72.", 72, {}, RewardResult(0.0, None, "no '####' answer", None, False, True)),
+    ("The answer is 71.", 72, {}, RewardResult(0.0, None, "no '####' answer", None, *WRONG)),
     ("no idea", 72, {"lenient": True}, RewardResult(0.0, None, "no '####' answer and no number")),  # lenient, empty
     ("", 72, {}, RewardResult(0.0, None, "empty completion")),  # empty
     (" \n\t ", 72, {}, RewardResult(0.0, None, "empty completion")),  # whitespace only is empty too

@@ -1,0 +1,116 @@
+"""Prompts and stop rules: the one place that turns a question into prompt token ids and decides
+where a sampled completion ends. Every engine uses it, so the trainer (which receives the engines'
+token ids) scores exactly the prompt that was sampled from.
+
+- Chat models: when the tokenizer has a chat template (and ``chat_template`` is not ``"never"``),
+  the prompt is ``[system?, user: "<question>\\n<instruction>"]`` rendered with
+  ``add_generation_prompt=True``. With ``system_prompt=None`` the template's own default applies
+  (SmolLM2's ChatML template inserts "You are a helpful AI assistant named SmolLM...").
+- Plain models (the tiny model has no template): ``Question: <question>\\n<instruction>\\nAnswer:\\n``,
+  the template the tiny model was pretrained on.
+- Stops: a completion ends at the model's EOS (kept as its last token, with its log-prob) or at the
+  first configured stop string. For a stop string the completion keeps the tokens up to and
+  including the one that completes it (their sampling log-probs unchanged: the cut only drops
+  later tokens), ``text`` ends before the stop string, and ``finish_reason`` is ``"stop"``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from . import data
+from .config import CHAT_TEMPLATE_MODES
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a question becomes a prompt (see the module docstring)."""
+
+    instruction: str = data.DEFAULT_INSTRUCTION
+    """The answer-format instruction after the question."""
+    system_prompt: str | None = None
+    """System message for chat templates; None keeps the template's default."""
+    chat_template: str = "auto"
+    """``"auto"`` uses the tokenizer's chat template when it has one; ``"always"`` requires one;
+    ``"never"`` uses the plain template."""
+
+    def __post_init__(self) -> None:
+        if self.chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
+
+    def uses_chat(self, tokenizer) -> bool:
+        has = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat_template == "always" and not has:
+            raise ValueError("chat_template='always' but the tokenizer has no chat template")
+        return has and self.chat_template != "never"
+
+    def messages(self, question: str) -> list[dict]:
+        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        return msgs + [{"role": "user", "content": f"{question.strip()}\n{self.instruction}".strip()}]
+
+    def render(self, tokenizer, question: str) -> str:
+        """The prompt as text."""
+        if self.uses_chat(tokenizer):
+            return tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True, tokenize=False)
+        return data.format_prompt(question, self.instruction)
+
+    def encode(self, tokenizer, question: str) -> list[int]:
+        """The prompt's token ids (the rendered text carries any special tokens itself)."""
+        return list(tokenizer.encode(self.render(tokenizer, question), add_special_tokens=False))
+
+
+def encode_prompts(tokenizer, problems: Sequence[data.Problem], max_new_tokens: int, max_len: int,
+                   fmt: PromptFormat | None = None) -> list[list[int]]:
+    """Token ids of each problem's prompt; a prompt that leaves no room for the completion raises."""
+    fmt = fmt or PromptFormat()
+    out = []
+    for p in problems:
+        ids = fmt.encode(tokenizer, p.question)
+        if not ids:
+            raise ValueError(f"problem {p.id!r}: the prompt tokenizes to nothing")
+        if len(ids) + max_new_tokens > max_len:
+            raise ValueError(
+                f"problem {p.id!r}: prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
+                f"engine's context of {max_len} tokens (raise max_model_len or shorten the prompt)"
+            )
+        out.append(ids)
+    return out
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a completion ends under the stop rules."""
+
+    n_tokens: int
+    """Tokens kept."""
+    finish_reason: str
+    """``"stop"`` or ``"length"``."""
+    stop: str | None
+    """The stop string that ended it; None for EOS or length."""
+    text: str
+    """Decoded text of the kept tokens, without the EOS token or the stop string."""
+
+
+def cut_completion(tokenizer, ids: Sequence[int], finish_reason: str, stop: Sequence[str] = ()) -> Cut:
+    """Apply the stop strings to a completion that ended by EOS (``"stop"``, EOS last) or length.
+
+    The earliest stop string in the decoded text wins; the kept tokens are the shortest prefix whose
+    text contains it (found by bisection over prefix decodes, which grow monotonically).
+    """
+    ids = list(ids)
+    body = ids[:-1] if finish_reason == "stop" else ids
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    hits = [(text.find(s), s) for s in stop if s and s in text]
+    if not hits:
+        return Cut(len(ids), finish_reason, None, text)
+    at, s = min(hits)
+    need = at + len(s)
+    lo, hi = 1, len(body)  # smallest k with len(decode(body[:k])) >= need
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(body[:mid], skip_special_tokens=True)) >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    return Cut(lo, "stop", s, text[:at])
