@@ -24,11 +24,10 @@ import statistics
 import tempfile
 import time
 
-from alignment import perturbed_adapter  # bench/ is on sys.path when run as a script
-
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.rollout import HFEngine, group_seed
+from grpo_kit.testing import perturbed_adapter
 
 
 def main() -> None:

@@ -372,7 +372,7 @@ def _profiles() -> dict[str, Config]:
     smol = Config(
         model=ModelConfig(model="smollm2-135m", dtype="float32", max_model_len=256),
         data=DataConfig(dataset="synthetic", n_digits=2, eval_size=128, train_size=3000),
-        prompt=PromptConfig(instruction="Reply with the sum only, written as '#### <number>'."),
+        prompt=PromptConfig(system_prompt="You are a calculator. Reply with the equation, then a last line '#### <result>'."),
         reward=RewardConfig(format_bonus=0.1, lenient_credit=0.5),
         sampling=SamplingConfig(group_size=8, prompts_per_step=4, max_new_tokens=64, stop=("\n\n",)),
         loss=LossConfig(kl_beta=0.0),

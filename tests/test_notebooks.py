@@ -176,6 +176,27 @@ def test_gsm8k_notebook_runs_on_local_files(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+def test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu(tmp_path):
+    """The real chat model (SmolLM2-135M-Instruct) on GSM8K through the notebook, default vLLM engine."""
+    run_dir = tmp_path / "run"
+    nb = execute(
+        "02_gsm8k.ipynb", tmp_path, profile="smol", dataset=str(GSM8K), iterations=2, prompts_per_step=2,
+        group_size=4, eval_size=4, eval_every=1, max_new_tokens=16, micro_batch=4, max_model_len=512,
+        train_size=64, run_dir=str(run_dir),
+    )
+    assert not error_outputs(nb)
+    out = stdout(nb)
+    assert "<|im_start|>system" in out and "<|im_start|>assistant" in out  # the prompt as the chat model sees it
+    assert "strict ('#### <n>' and the right value)" in out and "lenient" in out
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert (cfg["profile"], cfg["model"]["model"], cfg["data"]["dataset"]) == ("smol", "smollm2-135m", str(GSM8K))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == 2 and summary["lenient_acc_after"] is not None
+    assert (run_dir / "report.html").is_file()
+
+
+@pytest.mark.slow
 def test_pipelining_study_runs_both_modes(tmp_path):
     nb = execute("03_pipelining_study.ipynb", tmp_path, **HF, run_dir=str(tmp_path / "study"))
     assert not error_outputs(nb)

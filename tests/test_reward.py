@@ -280,3 +280,20 @@ def test_reward_batch():
     assert reward_batch([], []) == []
     with pytest.raises(ValueError, match="2 completions but 1 golds"):
         reward_batch(["#### 1", "#### 2"], [1])
+
+
+def test_real_smollm2_completions():
+    """Completions SmolLM2-135M-Instruct wrote under the smol profile's chat prompt (sampled in a
+    two-iteration run, and greedy), with the scores the smol reward settings give (format bonus
+    0.1, lenient credit 0.5); each row's ``why`` says what it checks."""
+    import json
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "smollm2_completions.jsonl").open()]
+    assert len(rows) >= 10 and {r["expected"]["rule"] for r in rows} == {None, "last", "marker"}
+    for row in rows:
+        got = gsm8k_reward(row["text"], row["gold"], format_bonus=0.1, lenient=True, lenient_credit=0.5)
+        want = row["expected"]
+        assert (got.score, got.parsed, got.rule, got.correct, got.lenient_correct) == (
+            pytest.approx(want["score"]), want["parsed"], want["rule"], want["correct"], want["lenient_correct"]
+        ), row["why"]

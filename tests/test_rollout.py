@@ -11,62 +11,16 @@ import json
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
 from grpo_kit.rollout import Engine, HFEngine, Rollout, group_seed
-from grpo_kit.train_step import collate, token_logprobs
+from grpo_kit.testing import assert_aligned, dlogp, perturbed_adapter, policy
 
 MAX_NEW = 48
 
 
-def _bench_alignment():
-    """bench/alignment.py as a module (its ``perturbed_adapter`` is the one the benches publish)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "alignment.py"
-    spec = importlib.util.spec_from_file_location("bench_alignment", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-perturbed_adapter = _bench_alignment().perturbed_adapter
-"""A LoRA on the tiny model whose B matrices are random (the default B = 0 changes nothing)."""
-
-
-def scorer(path, store, version: int):
-    """The policy of ``version`` as the trainer builds it: base model + the store's adapter."""
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return base if version == 0 else PeftModel.from_pretrained(base, store.fetch(version)).eval()
-
-
-def dlogp(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
-    """(N,) float64 recomputed minus sampling log-prob, over all completion tokens."""
-    batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0) for r in rollouts], pad_id=0)
-    scored = model
-    if temperature != 1.0:
-
-        class Tempered(torch.nn.Module):  # the distribution the engine sampled from
-            def forward(self, **kw):
-                out = model(**kw)
-                out.logits = out.logits / temperature
-                return out
-
-        scored = Tempered()
-    with torch.no_grad():
-        logp = token_logprobs(scored, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    m = batch.completion_mask.bool()
-    return (logp[m] - batch.old_logp[m]).double()
-
-
-def assert_aligned(d: torch.Tensor, min_tokens: int = 512) -> None:
-    assert d.numel() >= min_tokens
-    assert d.abs().max().item() <= 1e-3, f"max |dlogp| = {d.abs().max().item():.2e}"
-    assert abs(d.exp().mean().item() - 1) <= 1e-4, f"ratio mean - 1 = {d.exp().mean().item() - 1:.2e}"
+scorer = policy  # the names these tests (and test_vllm_engine's) use
 
 
 @pytest.fixture(scope="module", autouse=True)

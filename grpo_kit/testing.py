@@ -1,0 +1,83 @@
+"""Helpers shared by the tests and the benches: an adapter that really changes a model, the policy
+of a stored version as the trainer builds it, and the engine/trainer log-prob alignment check.
+
+Alignment: an engine records the sampling log-prob of every token it samples; the trainer
+recomputes the same tokens' log-probs with :func:`grpo_kit.train_step.token_logprobs` under the
+same adapter version. At temperature 1 they must agree (the on-policy importance ratio is 1), up to
+float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The seven projections of Llama/Qwen blocks (the kit's default ``lora_targets``)."""
+
+
+def perturbed_adapter(path, seed: int, scale: float = 0.05, r: int = 8, targets: Sequence[str] = LLAMA_TARGETS):
+    """A PEFT LoRA on the model at ``path`` whose B matrices are random (the default B = 0 would
+    change nothing), so each seed is a clearly different policy."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets), lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, scale)
+    return model.eval()
+
+
+def policy(path, store, version: int):
+    """The policy of ``version`` as the trainer builds it: the base model plus the store's adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return base if version == 0 else PeftModel.from_pretrained(base, store.fetch(version)).eval()
+
+
+def dlogp(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
+    """(N,) float64: the trainer's recomputed log-prob minus the sampling log-prob, over all
+    completion tokens of ``rollouts`` (``temperature`` scores the tempered distribution)."""
+    from .train_step import collate, token_logprobs
+
+    batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0) for r in rollouts], pad_id=0)
+    scored = model
+    if temperature != 1.0:
+
+        class Tempered(torch.nn.Module):  # the distribution the engine sampled from
+            def forward(self, **kw):
+                out = model(**kw)
+                out.logits = out.logits / temperature
+                return out
+
+        scored = Tempered()
+    with torch.no_grad():
+        logp = token_logprobs(scored, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    m = batch.completion_mask.bool()
+    return (logp[m] - batch.old_logp[m]).double()
+
+
+def ratio_stats(d: torch.Tensor, rollouts=()) -> dict[str, float]:
+    """Summary of :func:`dlogp`'s output: the on-policy ratio's mean and std, the largest |delta|."""
+    ratio = d.exp()
+    return {
+        "tokens": int(d.numel()),
+        "ratio_mean": ratio.mean().item(),
+        "ratio_std": ratio.std().item(),
+        "max_abs_dlogp": d.abs().max().item(),
+        "truncated": sum(r.truncated for r in rollouts),
+    }
+
+
+def assert_aligned(d: torch.Tensor, min_tokens: int = 512, max_abs: float = 1e-3, ratio_tol: float = 1e-4) -> None:
+    """The engine's log-probs are the trainer's: max |delta logp| and the ratio mean's distance from 1."""
+    assert d.numel() >= min_tokens, f"only {d.numel()} tokens compared (< {min_tokens})"
+    assert d.abs().max().item() <= max_abs, f"max |dlogp| = {d.abs().max().item():.2e}"
+    assert abs(d.exp().mean().item() - 1) <= ratio_tol, f"ratio mean - 1 = {d.exp().mean().item() - 1:.2e}"

@@ -1,0 +1,87 @@
+"""grpo_kit.prompts: chat templates, the plain prompt, and stop strings, on real tokenizers (the
+tiny model's byte-level BPE, and SmolLM2-135M-Instruct's with its ChatML template)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from grpo_kit import data, models, tiny
+from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts
+
+SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def tiny_tok():
+    return AutoTokenizer.from_pretrained(tiny.ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    return AutoTokenizer.from_pretrained(models.resolve_model("smollm2-135m"))
+
+
+def test_plain_prompt_is_the_tiny_models_template(tiny_tok):
+    fmt = PromptFormat()
+    assert not fmt.uses_chat(tiny_tok)  # the tiny tokenizer has no chat template
+    q = "What is 347 + 285?"
+    assert fmt.render(tiny_tok, q) == data.format_prompt(q) == (
+        "Question: What is 347 + 285?\nGive the final answer as '#### <integer>'.\nAnswer:\n"
+    )
+    assert fmt.encode(tiny_tok, q) == tiny_tok.encode(data.format_prompt(q), add_special_tokens=False)
+    assert PromptFormat(instruction="Answer briefly.").render(tiny_tok, q).splitlines()[1] == "Answer briefly."
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptFormat(chat_template="always").render(tiny_tok, q)
+
+
+def test_chat_prompt_on_smollm2(smol_tok):
+    fmt = PromptFormat(instruction="Reply as '#### <n>'.")
+    assert fmt.uses_chat(smol_tok)
+    text = fmt.render(smol_tok, "What is 2 + 3? ")
+    assert text == (
+        f"<|im_start|>system\n{SMOL_DEFAULT_SYSTEM}<|im_end|>\n"  # the template's own default system prompt
+        "<|im_start|>user\nWhat is 2 + 3?\nReply as '#### <n>'.<|im_end|>\n"
+        "<|im_start|>assistant\n"  # add_generation_prompt
+    )
+    ids = fmt.encode(smol_tok, "What is 2 + 3?")
+    assert ids[0] == smol_tok.convert_tokens_to_ids("<|im_start|>")  # special tokens are single ids, once
+    assert ids.count(smol_tok.eos_token_id) == 2  # <|im_end|> closes the system and the user turns
+    own = PromptFormat(system_prompt="You add numbers.").render(smol_tok, "What is 2 + 3?")
+    assert own.startswith("<|im_start|>system\nYou add numbers.<|im_end|>\n") and SMOL_DEFAULT_SYSTEM not in own
+    plain = PromptFormat(chat_template="never").render(smol_tok, "What is 2 + 3?")
+    assert plain == data.format_prompt("What is 2 + 3?")
+    with pytest.raises(ValueError, match="chat_template must be one of"):
+        PromptFormat(chat_template="sometimes")
+
+
+def test_encode_prompts_rejects_prompts_without_room(smol_tok):
+    probs = data.synthetic_problems(2, split="heldout", n_digits=2)
+    ids = encode_prompts(smol_tok, probs, 16, 256, PromptFormat())
+    assert [len(x) for x in ids] == [len(PromptFormat().encode(smol_tok, p.question)) for p in probs]
+    with pytest.raises(ValueError, match=probs[0].id):
+        encode_prompts(smol_tok, probs, 250, 256, PromptFormat())
+
+
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+def test_stop_strings_cut_at_the_completing_token(which, tiny_tok, smol_tok):
+    tok = tiny_tok if which == "tiny" else smol_tok
+    eos = tok.eos_token_id
+    text = "7+5=12\n#### 12\n\nQuestion: What is 1 + 1?\n#### 2"
+    ids = tok.encode(text, add_special_tokens=False)
+    # no stop strings: an EOS-ended completion keeps everything; the text drops the EOS
+    cut = cut_completion(tok, ids + [eos], "stop")
+    assert (cut.n_tokens, cut.finish_reason, cut.stop, cut.text) == (len(ids) + 1, "stop", None, text)
+    cut = cut_completion(tok, ids, "length", ())
+    assert (cut.n_tokens, cut.finish_reason, cut.text) == (len(ids), "length", text)
+    # a stop string: the kept tokens are the shortest prefix whose text contains it
+    for finish, tail in (("stop", [eos]), ("length", [])):
+        cut = cut_completion(tok, ids + tail, finish, ("\n\n",))
+        assert (cut.finish_reason, cut.stop, cut.text) == ("stop", "\n\n", "7+5=12\n#### 12")
+        kept = tok.decode(ids[: cut.n_tokens])
+        assert "\n\n" in kept and "\n\n" not in tok.decode(ids[: cut.n_tokens - 1])
+    # the earliest of several stop strings wins, whatever their order in the list
+    cut = cut_completion(tok, ids, "length", ("Question:", "####"))
+    assert (cut.stop, cut.text) == ("####", "7+5=12\n")
+    # a stop string that never occurs changes nothing
+    assert cut_completion(tok, ids, "length", ("STOP",)).n_tokens == len(ids)
