@@ -239,7 +239,7 @@ def register_engines(client: Client, cfg: Config, model_path: str, store_root: s
     kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len, "prompt_format": prompt_format(cfg),
           "stop": cfg.sampling.stop}
     if cfg.sampling.engine == "vllm":
-        kw["max_lora_rank"] = max(8, cfg.lora.lora_r)
+        kw["max_lora_rank"] = cfg.lora.lora_r  # the engine rounds it up to a rank vLLM accepts
         kw["seed"] = cfg.run.seed
         kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
         kw["kv_cache_bytes"] = cfg.sampling.kv_cache_bytes
@@ -410,6 +410,21 @@ def run_bounded(client: Client, fn, workers: list[str], timeout: float) -> dict:
         pool.shutdown(wait=False)
 
 
+def local_ranks(workers: list[str]) -> list[int]:
+    """Each worker's index among the listed workers on the same host (its GPU on a multi-GPU node).
+
+    >>> local_ranks(["tcp://10.0.0.1:4001", "tcp://10.0.0.2:4001", "tcp://10.0.0.1:4002"])
+    [0, 0, 1]
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for w in workers:
+        host = w.split("://")[-1].rsplit(":", 1)[0]
+        out.append(seen.get(host, 0))
+        seen[host] = out[-1] + 1
+    return out
+
+
 class GangFailed(RuntimeError):
     """The trainer gang failed more often than ``max_restarts`` allows."""
 
@@ -437,7 +452,8 @@ class TrainerGang:
             self.init_method = f"tcp://{host}:{port}"
 
     def _specs(self) -> list[RankSpec]:
-        return [replace(self.base_spec, rank=r, gang_id=self.gang_id, init_method=self.init_method)
+        local = local_ranks(self.workers)
+        return [replace(self.base_spec, rank=r, gang_id=self.gang_id, init_method=self.init_method, local_rank=local[r])
                 for r in range(self.base_spec.world_size)]
 
     def _alive(self) -> bool:

@@ -201,7 +201,10 @@ class LoRAConfig:
     lora_alpha: int = 16
     """LoRA scaling numerator (scale = alpha / r)."""
     lora_dropout: float = 0.0
-    """LoRA dropout; keep 0 so that the trainer's forward matches the engine's."""
+    """LoRA dropout. The engines never drop, so any dropout makes the trainer score another policy
+    than the one sampled; values > 0 are refused unless ``allow_lora_dropout`` is set."""
+    allow_lora_dropout: bool = False
+    """Accept ``lora_dropout > 0`` (the trainer's forwards then run in train mode, with dropout)."""
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Module names that get adapters."""
 
@@ -209,6 +212,11 @@ class LoRAConfig:
         _check(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}")
         _check(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _check(
+            self.lora_dropout == 0 or self.allow_lora_dropout,
+            f"lora_dropout={self.lora_dropout}: the rollout engines never drop, so the trainer would score a "
+            "different policy than the one that sampled (a biased importance ratio); use 0 or set allow_lora_dropout=True",
+        )
         _check(len(self.lora_targets) > 0, "lora_targets must name at least one module")
 
 

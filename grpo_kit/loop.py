@@ -75,6 +75,27 @@ def _read_records(path: Path) -> list[dict]:
     return out
 
 
+def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> int:
+    """Rewrite a JSONL file with the lines for which ``keep(record)`` holds, streaming (a long run's
+    ``rollouts.jsonl`` holds hundreds of MB; nothing is read whole). Stops at a half-written last
+    line (a crash mid-write). Returns the number of lines kept."""
+    if not path.exists():
+        return 0
+    tmp = path.with_name(path.name + ".trim")
+    kept = 0
+    with open(path) as src, open(tmp, "w") as dst:
+        for line in src:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if keep(rec):
+                dst.write(line if line.endswith("\n") else line + "\n")
+                kept += 1
+    os.replace(tmp, path)
+    return kept
+
+
 def run(
     cfg: Config,
     client=None,
@@ -132,8 +153,7 @@ def run(
         records = [r for r in _read_records(metrics_path) if r["iteration"] < state["next_iteration"]]
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
         for p in (samples_path, run_dir / "rollouts.jsonl"):  # drop lines of unfinished iterations
-            kept = [r for r in _read_records(p) if r["iteration"] < state["next_iteration"]]
-            p.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
 
         cl.register_engines(client, cfg, model_path, store.root, storage_options)
@@ -229,10 +249,16 @@ class _Driver:
         rng = random.Random(_seed(self.cfg.run.seed, "prompts", iteration))
         return rng.sample(self.train_pool, self.cfg.sampling.prompts_per_step)
 
+    def rollout_version(self, iteration: int) -> int:
+        """The adapter version that generates ``iteration``'s batch: the trainer's version ``depth``
+        iterations earlier, when generation is submitted in an uninterrupted run. A resumed run so
+        samples its pending batches from the versions the uninterrupted run would have used."""
+        return min(self.state["version"], max(0, iteration - self.depth))
+
     def submit_generation(self, iteration: int) -> None:
         if iteration in self.pending or iteration >= self.cfg.run.iterations:
             return
-        s, version = self.cfg.sampling, self.state["version"]
+        s, version = self.cfg.sampling, self.rollout_version(iteration)
         probs = self.problems_for(iteration)
         per = math.ceil(len(probs) / self.chunks)
         futures = []

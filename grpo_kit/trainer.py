@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .adapters import AdapterStore
+from .adapters import AdapterStore, VersionExistsError
 from .config import LoRAConfig, LossConfig, ModelConfig, OptimConfig
 from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
 
@@ -56,6 +56,8 @@ class RankSpec:
     """Bound on rendezvous and on every collective."""
     max_len: int | None
     """dr_grpo's constant (the completion budget)."""
+    local_rank: int = 0
+    """This rank's index among the gang's ranks on the same host: its GPU where a worker sees several."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -85,7 +87,9 @@ def build_policy(model_path: str, model_cfg: ModelConfig, lora_cfg: LoRAConfig, 
         base = base.to(device)
     torch.manual_seed(seed)
     model = get_peft_model(base, peft_lora_config(lora_cfg))
-    model.train()
+    # eval mode: no dropout anywhere, so the trainer scores exactly the policy the engines sample
+    # from (gradients flow all the same); train mode only when LoRA dropout was explicitly allowed
+    model.train(lora_cfg.lora_dropout > 0)
     return model
 
 
@@ -106,12 +110,15 @@ class TrainerState:
 
     def __init__(self, spec: RankSpec):
         self.run_id = spec.run_id
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = rank_device(spec.local_rank)
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(self.device)  # NCCL and the default CUDA stream follow this device
         self.store = AdapterStore(spec.store_root, spec.storage_options)
         self.model = build_policy(spec.model_path, spec.model, spec.lora, spec.seed, self.device)
         self.init_lora = {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
         self.optimizer = make_optimizer(self.model, spec.optim)
         self.version: int | None = 0
+        self.saved_states: list[str] = []  # optimizer states this process published, oldest first
         self.gang_id: int | None = None
         self.ddp = None
         tok_path = spec.model_path
@@ -129,7 +136,7 @@ class TrainerState:
         if self.gang_id == spec.gang_id and self.ddp is not None:
             return
         self.teardown_group()
-        backend = "nccl" if self.device == "cuda" else "gloo"
+        backend = "nccl" if self.device.startswith("cuda") else "gloo"
         torch.distributed.init_process_group(
             backend,
             init_method=spec.init_method,
@@ -166,13 +173,25 @@ class TrainerState:
             self.optimizer.state.clear()
         else:
             load_adapter_weights(self.model, self.store.fetch(version))
-            # saved before the adapter's manifest (train_rank), so a published version has one
-            self.optimizer.load_state_dict(self.store.load_state(optimizer_state_name(version)))
+            # saved before the adapter's manifest (train_rank), which names it: the pair commits together
+            name = self.store.manifest(version).get("meta", {}).get("optimizer_state") or optimizer_state_name(version)
+            self.optimizer.load_state_dict(self.store.load_state(name))
         self.version = version
 
 
-def optimizer_state_name(version: int) -> str:
-    return f"optimizer/v{version:06d}"
+def rank_device(local_rank: int) -> str:
+    """The device of the rank with this host-local index: ``cuda:<local_rank mod GPUs visible>``
+    (a worker that sees one GPU, as LocalCluster workers do, always gets ``cuda:0``), or ``cpu``."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{local_rank % torch.cuda.device_count()}"
+
+
+def optimizer_state_name(version: int, attempt: str | None = None) -> str:
+    """Where a step's optimizer state goes: one name per attempt (``attempt``), so that a retried
+    step never overwrites the state of an attempt whose adapter was published (the manifest's
+    ``meta["optimizer_state"]`` names the one that belongs to the version)."""
+    return f"optimizer/v{version:06d}" + (f"-{attempt}" if attempt else "")
 
 
 _STATE: TrainerState | None = None
@@ -238,13 +257,28 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
         raise
     state.version = version + 1
     t_step = time.time()
+    adopted = False
     if spec.rank == 0:
-        # optimizer state first: the adapter's manifest is the commit point of the step
-        state.store.save_state(optimizer_state_name(version + 1), state.optimizer.state_dict())
+        # optimizer state first, under this attempt's own name; the adapter's manifest, which names
+        # that state, is the commit point of the step
+        name = optimizer_state_name(version + 1, os.urandom(4).hex())
+        state.store.save_state(name, state.optimizer.state_dict())
         t_opt = time.time()
-        state.store.publish(state.model, version + 1, meta={"iteration": iteration, "stats": stats}, parent=version)
-        if version >= 2:
-            state.store.delete_state(optimizer_state_name(version - 1))  # keep the last two
+        meta = {"iteration": iteration, "stats": stats, "optimizer_state": name}
+        try:
+            state.store.publish(state.model, version + 1, meta=meta, parent=version)
+        except VersionExistsError:
+            # an earlier attempt of this step (whose failure the driver saw while its publish was
+            # still running) committed v+1 first: adopt that version, adapter and optimizer state together
+            state.store.delete_state(name)
+            state.version = None
+            state.sync_to(version + 1)
+            stats = state.store.manifest(version + 1).get("meta", {}).get("stats", stats)
+            adopted = True
+        else:
+            state.saved_states.append(name)
+            while len(state.saved_states) > 2:  # keep the last two this process wrote
+                state.store.delete_state(state.saved_states.pop(0))
     else:
         t_opt = t_step
     t_end = time.time()
@@ -261,4 +295,5 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
         "start": t0,
         "end": t_end,
         "pid": os.getpid(),
+        "adopted": adopted,
     }

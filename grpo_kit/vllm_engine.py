@@ -126,7 +126,7 @@ class VLLMEngine:
         kv_cache_bytes: int | None = None,
         max_batch_seqs: int = 256,
         seed: int = 0,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         in_process: bool = True,
         cpu_threads: int | None = 1,
         lora_mode: str = "auto",
@@ -153,7 +153,10 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        self.lora_mode = resolve_lora_mode(lora_mode, on_cpu)
+        self.lora_mode = resolve_lora_mode(lora_mode, on_cpu, dtype)
+        if enforce_eager is None:  # CUDA graphs pay off on GPUs; the CPU backend has none to capture
+            enforce_eager = on_cpu
+        max_lora_rank = vllm_lora_rank(max_lora_rank)
         if self.lora_mode == "merged" and not in_process:
             raise ValueError("lora_mode='merged' loads weights into the model in this process: use in_process=True")
         self._loaded_version = 0
@@ -413,11 +416,43 @@ def cpu_kv_cache_bytes(model_path: str, *, dtype: str, max_model_len: int, max_s
     return math.ceil(per_token * blocks * KV_BLOCK_TOKENS * KV_HEADROOM)
 
 
-def resolve_lora_mode(mode: str, on_cpu: bool) -> str:
-    """``"auto"`` is ``"merged"`` on CPU (vLLM's CPU LoRA path is slow) and ``"request"`` elsewhere."""
+EXACT_MERGE_DTYPES = ("float32", "float64")
+"""Model dtypes in which ``W + (alpha/r) B A`` keeps a small LoRA delta. In bfloat16 (8 bits of
+mantissa) most of it rounds away: with weights ~0.02 and deltas ~1e-5 (B early in training, r16,
+alpha 32) about 98% of the delta's elements vanish, and the engine samples from nearly the base
+model while the trainer scores the LoRA."""
+
+
+def resolve_lora_mode(mode: str, on_cpu: bool, dtype: str = "float32") -> str:
+    """``"auto"`` is ``"merged"`` on CPU in float32 (vLLM's CPU LoRA path is slow) and ``"request"``
+    elsewhere; ``"merged"`` in a dtype that cannot hold the delta (:data:`EXACT_MERGE_DTYPES`) raises."""
     if mode not in LORA_MODES:
         raise ValueError(f"lora_mode must be one of {LORA_MODES}, got {mode!r}")
-    return ("merged" if on_cpu else "request") if mode == "auto" else mode
+    if mode == "auto":
+        return "merged" if on_cpu and dtype in EXACT_MERGE_DTYPES else "request"
+    if mode == "merged" and dtype not in EXACT_MERGE_DTYPES:
+        raise ValueError(
+            f"lora_mode='merged' with dtype={dtype!r}: merging the adapter into {dtype} weights rounds most of a small "
+            "LoRA delta away, so the engine would sample from nearly the base model. Use lora_mode='request' "
+            f"(or 'auto'), or a dtype in {EXACT_MERGE_DTYPES}"
+        )
+    return mode
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts."""
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest rank vLLM accepts that holds a LoRA of rank ``r``.
+
+    >>> vllm_lora_rank(12), vllm_lora_rank(16), vllm_lora_rank(2)
+    (16, 16, 8)
+    """
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
 def adapter_deltas(path: str) -> dict:

@@ -317,3 +317,26 @@ def test_save_adapter_writes_what_save_pretrained_writes(tmp_path):
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
     assert model.peft_config["default"].inference_mode is False  # left as it was
     assert "create_or_update_model_card" not in vars(model)  # the class's method again
+
+
+def test_fetch_cache_keeps_the_last_few_versions(make_store, adapter_dir, tmp_path):
+    """A rollout worker fetches every version it samples from; the cache must not keep them all
+    (at 8B and r16 each is ~175 MB: 200 versions were ~35 GB per worker)."""
+    s = make_store(cache_dir=str(tmp_path / "cache"))
+    s.cache_versions = 3
+    for v in range(1, 9):
+        s.publish_dir(adapter_dir, v)
+    paths = {v: s.fetch(v) for v in range(1, 7)}
+    cached = lambda: sorted(v for v, p in paths.items() if os.path.isdir(p))  # noqa: E731
+    assert cached() == [4, 5, 6]
+    s.fetch(4)  # used again: now the most recent, so 5 goes next
+    s.fetch(7)
+    assert cached() == [4, 6] and os.path.isdir(s.fetch(7))
+    # an evicted version comes back on demand, verified against its manifest
+    again = s.fetch(1)
+    assert again == paths[1] and os.path.isfile(os.path.join(again, "adapter_model.safetensors"))
+    versions_on_disk = [d for d in os.listdir(os.path.dirname(again)) if d.startswith("v")]
+    assert len(versions_on_disk) == 3
+    assert pickle.loads(pickle.dumps(s)).cache_versions == 3
+    with pytest.raises(ValueError, match="cache_versions"):
+        AdapterStore(str(tmp_path / "x"), cache_versions=0)

@@ -90,3 +90,21 @@ def test_hf_engine_on_cuda_is_aligned():
     m = b.completion_mask.bool()
     assert (logp[m] - b.old_logp[m]).abs().max().item() <= 1e-3
     eng.close()
+
+
+def test_vllm_engine_on_gpu_uses_cuda_graphs_and_lora_requests():
+    """enforce_eager (no CUDA graphs) was applied on GPUs too; merged LoRA is refused in bfloat16."""
+    pytest.importorskip("vllm")
+    from grpo_kit.vllm_engine import VLLMEngine
+
+    path = str(tiny.ensure_tiny_model())
+    with pytest.raises(ValueError, match="rounds most of a small"):
+        VLLMEngine(path, dtype="bfloat16", lora_mode="merged", gpu_memory_utilization=0.2)
+    engine = VLLMEngine(path, dtype="bfloat16", gpu_memory_utilization=0.2)
+    try:
+        assert engine.lora_mode == "request"  # auto: request on GPU
+        assert engine.llm.llm_engine.vllm_config.model_config.enforce_eager is False
+        out = engine.greedy(data.synthetic_problems(4, split="heldout"), 0, max_new_tokens=8)
+        assert len(out) == 4
+    finally:
+        engine.close()

@@ -181,6 +181,54 @@ def test_resume_after_driver_death(tmp_path, client):
     assert _chain(store) == [1, 2, 3, 4, 5]
 
 
+def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client):
+    """Killed after iteration 1 and resumed on restarted trainer workers (adapter and optimizer state
+    reloaded from the store), a pipelined run ends where the uninterrupted run ends."""
+    import torch
+    from safetensors.torch import load_file
+
+    full = _cfg(tmp_path, iterations=4, world_size=1, run_dir=str(tmp_path / "full"))
+    loop.run(full, client=client, progress=False)
+    part = _cfg(tmp_path, iterations=4, world_size=1, run_dir=str(tmp_path / "part"))
+
+    def die_after_1(rec):
+        if rec["iteration"] == 1:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        loop.run(part, client=client, callbacks=[die_after_1], progress=False)
+    client.restart_workers(cl.workers_with(client, cl.TRAINER), timeout=120)
+    cl.wait_for_role(client, cl.TRAINER, 2)
+    res = loop.run(part, client=client, resume=True, progress=False)
+    assert [r["rollout_version"] for r in res.records] == [0, 0, 1, 2]  # the pending batch's version too
+    a, b = AdapterStore(full.run.store_root), AdapterStore(part.run.store_root)
+    wa = load_file(f"{a.fetch(4)}/adapter_model.safetensors")
+    wb = load_file(f"{b.fetch(4)}/adapter_model.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0), k
+    assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)  # the adapter did move
+
+
+def test_trim_jsonl_streams(tmp_path):
+    """Resume trims rollouts.jsonl line by line: a long run's file is never read whole."""
+    import tracemalloc
+
+    path = tmp_path / "rollouts.jsonl"
+    line = json.dumps({"iteration": 0, "completion_ids": list(range(2000))})
+    with open(path, "w") as f:
+        for it in range(400):  # ~4 MB
+            f.write(line.replace('"iteration": 0', f'"iteration": {it}') + "\n")
+        f.write('{"iteration": 400, "completion_ids": [1, 2')  # a half-written last line
+    tracemalloc.start()
+    kept = loop.trim_jsonl(path, lambda r: r["iteration"] < 300)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert kept == 300 and peak < 1_000_000, peak
+    lines = path.read_text().splitlines()
+    assert len(lines) == 300 and json.loads(lines[-1])["iteration"] == 299
+
+
 def test_resume_when_publish_happened_but_state_was_not_written(tmp_path, client):
     cfg = _cfg(tmp_path, iterations=3, world_size=1)
     loop.run(cfg.override(iterations=2), client=client, progress=False)

@@ -138,6 +138,18 @@ def test_lora_modes_and_merged_weights(tiny_path, store, tmp_path):
     assert resolve_lora_mode("auto", on_cpu=True) == "merged"
     assert resolve_lora_mode("auto", on_cpu=False) == "request"
     assert resolve_lora_mode("request", on_cpu=True) == "request"
+    # bfloat16 cannot hold a small merged delta: auto falls back to request, merged refuses
+    assert resolve_lora_mode("auto", on_cpu=True, dtype="bfloat16") == "request"
+    with pytest.raises(ValueError, match="rounds most of a small"):
+        resolve_lora_mode("merged", on_cpu=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match="rounds most of a small"):
+        VLLMEngine(tiny_path, store=store, lora_mode="merged", dtype="bfloat16")
+    # ... as measured: W ~ 0.02, delta = (32/16) B A with B ~ 1e-5 (early training), r 16
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(256, 256, generator=g) * 0.02
+    delta = 2.0 * (torch.randn(256, 16, generator=g) * 1e-5) @ (torch.randn(16, 256, generator=g) / 16)
+    lost = ((w + delta).bfloat16() == w.bfloat16()).float().mean().item()
+    assert lost > 0.9, lost
     with pytest.raises(ValueError, match="lora_mode must be one of"):
         VLLMEngine(tiny_path, store=store, lora_mode="fused")
     with pytest.raises(ValueError, match="in_process=True"):
@@ -284,3 +296,21 @@ def test_an_engine_that_cannot_get_its_kv_cache_names_the_number(tiny_path):
 
     with pytest.raises(MemoryError, match="kv_cache_bytes"):
         VLLMEngine(tiny_path, kv_cache_bytes=1 << 50)  # 1 PiB
+
+
+def test_lora_ranks_vllm_does_not_accept_are_rounded_up(tiny_path, tmp_path):
+    """vLLM accepts max_lora_rank only in {1, 8, 16, 32, ...}: lora_r=12 crashed the engine build."""
+    from grpo_kit.testing import perturbed_adapter
+    from grpo_kit.vllm_engine import VLLMEngine, vllm_lora_rank
+
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 12, 16, 17, 300, 512)] == [1, 8, 8, 16, 16, 32, 320, 512]
+    with pytest.raises(ValueError, match="exceeds"):
+        vllm_lora_rank(513)
+    s = AdapterStore(str(tmp_path / "store"))
+    s.publish(perturbed_adapter(tiny_path, seed=3, r=12), 1)
+    engine = VLLMEngine(tiny_path, store=s, lora_mode="request", max_lora_rank=12, max_batch_seqs=8)
+    try:
+        out = engine.generate(data.synthetic_problems(2, split="train"), 2, 1, max_new_tokens=8)
+    finally:
+        engine.close()
+    assert_aligned(dlogp(scorer(tiny_path, s, 1), out), min_tokens=16)
