@@ -15,6 +15,8 @@ from typing import Any
 from .data import DEFAULT_INSTRUCTION
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+OLD_LOGP_SOURCES = ("engine", "trainer")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 ADV_SCALES = ("group", "batch", "none")
 ENGINES = ("vllm", "hf")
 LORA_MODES = ("auto", "request", "merged")
@@ -158,6 +160,19 @@ class LossConfig:
     """Weight of the k3 KL to the base model (the LoRA adapter disabled); 0 skips it."""
     adv_scale: str = "group"
     """Advantage scaling: divide by the group's std, the batch's std, or not at all."""
+    old_logp_source: str = "engine"
+    """The PPO ratio's old log-probs: ``"engine"`` (the engine's recorded sampling log-probs: the
+    clipped ratio then also corrects staleness and any engine/trainer mismatch) or ``"trainer"``
+    (TRL's semantics: the trainer's own log-probs before the update, so the ratio is 1 at the one
+    update per batch, and the sampling policy is corrected by the separate importance weight below)."""
+    importance_sampling_correction: bool = True
+    """With ``old_logp_source="trainer"``: weight each token's policy-gradient term by the truncated
+    or masked importance weight trainer/engine (TRL's ``vllm_importance_sampling_correction``)."""
+    importance_sampling_mode: str = "sequence_mask"
+    """``token_truncate`` (TIS), ``token_mask``, ``sequence_truncate`` or ``sequence_mask`` (TRL's
+    ``vllm_importance_sampling_mode`` and its default): per token or per sequence, capped or zeroed above the cap."""
+    importance_sampling_cap: float = 3.0
+    """The cap (TRL's ``vllm_importance_sampling_cap``, 3.0 by default there; verl lists token caps 1.5-5)."""
 
     def __post_init__(self) -> None:
         _check(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
@@ -169,6 +184,11 @@ class LossConfig:
         )
         _check(self.kl_beta >= 0, f"kl_beta must be >= 0, got {self.kl_beta}")
         _check(self.adv_scale in ADV_SCALES, f"adv_scale must be one of {ADV_SCALES}, got {self.adv_scale!r}")
+        _check(self.old_logp_source in OLD_LOGP_SOURCES,
+               f"old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}")
+        _check(self.importance_sampling_mode in IS_MODES,
+               f"importance_sampling_mode must be one of {IS_MODES}, got {self.importance_sampling_mode!r}")
+        _check(self.importance_sampling_cap > 1, f"importance_sampling_cap must be > 1, got {self.importance_sampling_cap}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,17 @@ Per completion token (``B`` sequences, ``T`` positions, ``mask`` marks the compl
     k3       = exp(ref_logp - logp) - (ref_logp - logp) - 1        # >= 0, unbiased KL estimate
     loss_tok = -surr + kl_beta * k3
 
+Engine/trainer mismatch (TRL's ``vllm_importance_sampling_*`` semantics): when the old log-probs are
+the trainer's own (``old_logp`` computed by the trainer, not the engine's sampling log-probs) and
+``sampling_logp`` is given, the policy-gradient term of each token is multiplied by a detached
+importance weight from the sampling policy to the trainer's::
+
+    w = exp(old_logp - sampling_logp)               # per token (token_*), or
+    w = exp(sum over the sequence of the same)      # per sequence (sequence_*)
+    token_truncate / sequence_truncate:  w = min(w, cap)
+    token_mask / sequence_mask:          w = 0 where w > cap
+    loss_tok = -w * surr + kl_beta * k3
+
 Aggregation uses TRL's ``loss_type`` names:
 
 - ``grpo``: mean over sequences of each sequence's token mean,
@@ -23,12 +34,13 @@ parts combine exactly too (``+`` locally, all-reduce of :meth:`LossStats.pack` a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
-from grpo_kit.config import ADV_SCALES, LOSS_TYPES
+from grpo_kit.config import ADV_SCALES, IS_MODES, LOSS_TYPES
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
@@ -96,15 +108,27 @@ class LossStats:
     """() smallest ratio; +inf when there are no tokens."""
     ratio_max: Tensor
     """() largest ratio; -inf when there are no tokens."""
+    is_sum: Tensor
+    """() sum over tokens of the engine-mismatch weight before truncation; NaN when not applied."""
+    is_capped_count: Tensor
+    """() tokens whose weight was truncated or masked (it exceeded the cap)."""
+    is_min: Tensor
+    """() smallest weight before truncation; +inf when there are no tokens."""
+    is_max: Tensor
+    """() largest weight before truncation; -inf when there are no tokens."""
 
-    SUMS = ("tokens", "ratio_sum", "ratio_sqsum", "clip_low_count", "clip_high_count", "kl_sum")
+    SUMS = ("tokens", "ratio_sum", "ratio_sqsum", "clip_low_count", "clip_high_count", "kl_sum", "is_sum",
+            "is_capped_count")
+    MAXES = ("ratio_min", "ratio_max", "is_min", "is_max")  # the *_min ones travel negated
 
     @classmethod
-    def empty(cls, device: torch.device | str | None = None, kl: bool = True) -> LossStats:
-        """Stats of zero tokens (the identity of ``+``); ``kl=False`` marks KL as not computed."""
+    def empty(cls, device: torch.device | str | None = None, kl: bool = True, is_weight: bool = False) -> LossStats:
+        """Stats of zero tokens (the identity of ``+``); ``kl=False`` marks KL as not computed and
+        ``is_weight=False`` the engine-mismatch weight."""
         z = torch.zeros((), dtype=torch.float64, device=device)
         inf = torch.full((), float("inf"), dtype=torch.float64, device=device)
-        return cls(z, z, z, z, z, z if kl else z + float("nan"), inf, -inf)
+        nan = z + float("nan")
+        return cls(z, z, z, z, z, z if kl else nan, inf, -inf, z if is_weight else nan, z, inf, -inf)
 
     def __add__(self, other: LossStats) -> LossStats:
         sums = {k: getattr(self, k) + getattr(other, k) for k in self.SUMS}
@@ -112,22 +136,26 @@ class LossStats:
             **sums,
             ratio_min=torch.minimum(self.ratio_min, other.ratio_min),
             ratio_max=torch.maximum(self.ratio_max, other.ratio_max),
+            is_min=torch.minimum(self.is_min, other.is_min),
+            is_max=torch.maximum(self.is_max, other.is_max),
         )
 
     def pack(self) -> tuple[Tensor, Tensor]:
-        """``(sums (6,), maxes (2,))``: all-reduce the first with SUM and the second with MAX
-        (it holds ``-ratio_min`` and ``ratio_max``), then :meth:`unpack`."""
-        sums = torch.stack([getattr(self, k) for k in self.SUMS])  # (6,)
-        maxes = torch.stack([-self.ratio_min, self.ratio_max])  # (2,)
+        """``(sums (8,), maxes (4,))``: all-reduce the first with SUM and the second with MAX
+        (it holds ``-ratio_min``, ``ratio_max``, ``-is_min``, ``is_max``), then :meth:`unpack`."""
+        sums = torch.stack([getattr(self, k) for k in self.SUMS])  # (8,)
+        maxes = torch.stack([-self.ratio_min, self.ratio_max, -self.is_min, self.is_max])  # (4,)
         return sums, maxes
 
     @classmethod
     def unpack(cls, sums: Tensor, maxes: Tensor) -> LossStats:
-        return cls(**dict(zip(cls.SUMS, sums.unbind(), strict=True)), ratio_min=-maxes[0], ratio_max=maxes[1])
+        return cls(**dict(zip(cls.SUMS, sums.unbind(), strict=True)), ratio_min=-maxes[0], ratio_max=maxes[1],
+                   is_min=-maxes[2], is_max=maxes[3])
 
     def summary(self) -> dict[str, float]:
-        """Means over tokens: ratio mean/std/min/max, clip fractions (low/high/total), KL mean, token
-        count. NaN where there are no tokens (or, for ``kl``, no reference)."""
+        """Means over tokens: ratio mean/std/min/max, clip fractions (low/high/total), KL mean, the
+        engine-mismatch weight's mean/min/max and capped share, token count. NaN where there are no
+        tokens (or, for ``kl``, no reference); the ``is_*`` values are None when no weight was applied."""
         names = [f.name for f in fields(self)]
         v = dict(zip(names, torch.stack([getattr(self, k) for k in names]).tolist(), strict=True))  # one sync
         n = v["tokens"]
@@ -142,6 +170,16 @@ class LossStats:
             "clip_high": div(v["clip_high_count"]),
             "clip_frac": div(v["clip_low_count"] + v["clip_high_count"]),
             "kl": div(v["kl_sum"]),
+            **(
+                {"is_mean": None, "is_min": None, "is_max": None, "is_capped_frac": None}
+                if math.isnan(v["is_sum"])  # no engine-mismatch weight in this loss
+                else {
+                    "is_mean": div(v["is_sum"]),
+                    "is_min": v["is_min"] if n > 0 else float("nan"),
+                    "is_max": v["is_max"] if n > 0 else float("nan"),
+                    "is_capped_frac": div(v["is_capped_count"]),
+                }
+            ),
             "tokens": n,
         }
 
@@ -158,6 +196,9 @@ def grpo_loss(
     kl_beta: float = 0.0,
     loss_type: str = "grpo",
     norm: Normalizer | None = None,
+    sampling_logp: Tensor | None = None,
+    is_mode: str = "sequence_mask",
+    is_cap: float = 3.0,
 ) -> tuple[Tensor, LossStats]:
     """The clipped GRPO loss of a batch and its :class:`LossStats`.
 
@@ -166,6 +207,8 @@ def grpo_loss(
     neither the loss nor the gradient. ``ref_logp`` may be None when ``kl_beta == 0``. Without
     ``norm`` the counts are this batch's (dr_grpo's ``max_len`` is ``T``); with it, the loss is the
     local sum over the global normalizer. Sequences without tokens contribute 0 (no NaN).
+    ``sampling_logp`` (B, T), when given, applies the engine-mismatch weight of ``is_mode`` capped at
+    ``is_cap`` (module docstring); ``old_logp`` is then the trainer's.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -176,6 +219,13 @@ def grpo_loss(
             f"expected logp/old_logp/mask (B, T) and adv (B,); got {tuple(logp.shape)}, "
             f"{tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(adv.shape)}"
         )
+    if sampling_logp is not None:
+        if is_mode not in IS_MODES:
+            raise ValueError(f"is_mode must be one of {IS_MODES}, got {is_mode!r}")
+        if not is_cap > 0:
+            raise ValueError(f"is_cap must be > 0, got {is_cap}")
+        if sampling_logp.shape != logp.shape:
+            raise ValueError(f"sampling_logp must be (B, T) like logp, got {tuple(sampling_logp.shape)}")
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     m = mask.bool()  # (B, T)
     # torch.where, not a multiply: garbage (inf/NaN) off the mask must not reach values or gradients
@@ -186,6 +236,15 @@ def grpo_loss(
     ratio = torch.exp(logp - old_logp)  # (B, T)
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)  # (B, T)
     surr = torch.minimum(ratio * a, clipped * a)  # (B, T)
+    w_raw = w = None
+    if sampling_logp is not None:
+        with torch.no_grad():
+            d = torch.where(m, old_logp.detach() - sampling_logp.to(logp.dtype), 0.0)  # (B, T)
+            if is_mode.startswith("sequence"):
+                d = d.sum(dim=1, keepdim=True).expand_as(d)  # (B, T): the sequence's log-weight on each token
+            w_raw = torch.exp(d)  # (B, T)
+            w = w_raw.clamp(max=is_cap) if is_mode.endswith("truncate") else torch.where(w_raw > is_cap, 0.0, w_raw)
+        surr = surr * w
     per_tok = -surr  # (B, T)
     k3 = None
     if ref_logp is not None:
@@ -223,8 +282,25 @@ def grpo_loss(
             kl_sum=(k3.to(f64) * mf).sum() if k3 is not None else torch.full((), float("nan"), dtype=f64, device=dev),
             ratio_min=_masked_extreme(r, m, largest=False),
             ratio_max=_masked_extreme(r, m, largest=True),
+            **_weight_stats(w_raw, is_cap, m, mf),
         )
     return loss, stats
+
+
+def _weight_stats(w_raw: Tensor | None, cap: float, m: Tensor, mf: Tensor) -> dict[str, Tensor]:
+    f64 = torch.float64
+    if w_raw is None:
+        nan = torch.full((), float("nan"), dtype=f64, device=m.device)
+        inf = torch.full((), float("inf"), dtype=f64, device=m.device)
+        return {"is_sum": nan, "is_capped_count": torch.zeros((), dtype=f64, device=m.device), "is_min": inf,
+                "is_max": -inf}
+    w = w_raw.to(f64)
+    return {
+        "is_sum": (w * mf).sum(),
+        "is_capped_count": ((w_raw > cap) & m).sum().to(f64),
+        "is_min": _masked_extreme(w, m, largest=False),
+        "is_max": _masked_extreme(w, m, largest=True),
+    }
 
 
 def _at_least_one(n: int | Tensor) -> int | Tensor:

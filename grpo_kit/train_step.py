@@ -261,7 +261,8 @@ def grpo_step(
     :func:`wrap_ddp` around one. ``max_len`` is dr_grpo's constant (pass the completion budget,
     ``max_new_tokens``); None takes the longest completion in the batch. Returns stats that are
     all-reduced and identical on every rank: ``loss``, ``ratio_mean/std/min/max``,
-    ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``grad_norm`` (before clipping),
+    ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``is_mean/min/max/capped_frac`` (the
+    engine-mismatch weight with ``old_logp_source="trainer"``; None otherwise), ``grad_norm`` (before clipping),
     ``tokens``, ``samples``, ``samples_nonzero_adv``.
     """
     distributed = isinstance(model, DDP)
@@ -304,7 +305,9 @@ def grpo_step(
     # (2) local micro-batches; gradients accumulate without communication
     logprobs_fn = shared_prompt_logprobs if optim_cfg.share_prompt else token_logprobs
     loss_sum = torch.zeros((), dtype=f64, device=device)
-    stats = LossStats.empty(device, kl=loss_cfg.kl_beta > 0)
+    trainer_old = loss_cfg.old_logp_source == "trainer"
+    correct = trainer_old and loss_cfg.importance_sampling_correction
+    stats = LossStats.empty(device, kl=loss_cfg.kl_beta > 0, is_weight=correct)
     with model.no_sync() if distributed else contextlib.nullcontext():
         for i in range(0, len(shard), optim_cfg.micro_batch):
             mb = shard[i : i + optim_cfg.micro_batch].trim()
@@ -314,9 +317,11 @@ def grpo_step(
                 with torch.no_grad(), module.disable_adapter():
                     ref_logp = logprobs_fn(module, mb.input_ids, mb.attention_mask, mb.completion_mask)
             logp = logprobs_fn(model, mb.input_ids, mb.attention_mask, mb.completion_mask)  # (b, t)
+            # old_logp_source="trainer": the trainer's own log-probs before this (single) update are
+            # this forward's, detached; the engine's then only feed the mismatch weight
             loss, st = grpo_loss(
                 logp,
-                mb.old_logp,
+                logp.detach() if trainer_old else mb.old_logp,
                 ref_logp,
                 mb.adv,
                 mb.completion_mask,
@@ -325,6 +330,9 @@ def grpo_step(
                 kl_beta=loss_cfg.kl_beta,
                 loss_type=loss_cfg.loss_type,
                 norm=norm,
+                sampling_logp=mb.old_logp if correct else None,
+                is_mode=loss_cfg.importance_sampling_mode,
+                is_cap=loss_cfg.importance_sampling_cap,
             )
             # DDP averages gradients over ranks; the global loss is the SUM of the local ones
             (loss * world_size).backward()
@@ -344,7 +352,7 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
 
     sums, maxes = stats.pack()
-    sums = torch.cat([sums, loss_sum.reshape(1)])  # (7,)
+    sums = torch.cat([sums, loss_sum.reshape(1)])  # (9,)
     if distributed:
         torch.distributed.all_reduce(sums, group=pg)
         torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=pg)

@@ -153,12 +153,18 @@ def _random_case(seed, B=5, T=7):
     return logp, old_logp, adv, mask
 
 
-def _naive_loss(logp, old_logp, ref_logp, adv, mask, eps, eps_high, beta, loss_type, max_len=None):
-    """Token by token, with the clip written as branches instead of min/clamp."""
+def _naive_loss(logp, old_logp, ref_logp, adv, mask, eps, eps_high, beta, loss_type, max_len=None,
+                sampling_logp=None, is_mode=None, cap=None):
+    """Token by token, with the clip written as branches instead of min/clamp, and the engine-mismatch
+    weight computed per token or per sequence with an explicit loop and if/else."""
     B, T = logp.shape
     seq_sums, seq_counts = [], []
     for b in range(B):
         total, count = torch.zeros((), dtype=f64), 0
+        seq_logw = 0.0
+        for t in range(T):
+            if mask[b, t]:
+                seq_logw += float(old_logp[b, t] - sampling_logp[b, t]) if sampling_logp is not None else 0.0
         for t in range(T):
             if not mask[b, t]:
                 continue
@@ -170,6 +176,12 @@ def _naive_loss(logp, old_logp, ref_logp, adv, mask, eps, eps_high, beta, loss_t
                 surr = (1 - eps) * a
             else:
                 surr = r * a
+            if sampling_logp is not None:
+                logw = seq_logw if is_mode.startswith("sequence") else float(old_logp[b, t] - sampling_logp[b, t])
+                w = math.exp(logw)
+                if w > cap:
+                    w = cap if is_mode.endswith("truncate") else 0.0
+                surr = surr * w
             tok = -surr
             if beta:
                 d = ref_logp[b, t] - logp[b, t]
@@ -198,6 +210,46 @@ def test_gradients_match_naive_loop(loss_type, kl_beta, eps_high):
     (g_want,) = torch.autograd.grad(want, logp)
     torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-15)
     assert stats.clip_low_count.item() + stats.clip_high_count.item() > 0  # the case exercises the clips
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("is_mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_engine_mismatch_weight_matches_naive_loop(loss_type, is_mode):
+    """TRL's semantics: the old log-probs are the trainer's (here logp itself, detached, as at the one
+    update per batch: the ratio is 1) and the sampling policy is corrected by a capped weight."""
+    logp, sampling_logp, adv, mask = _random_case(seed=6)
+    ref_logp = logp + 0.1
+    logp.requires_grad_()
+    old = logp.detach()
+    cap = 1.5 if is_mode.startswith("token") else 3.0
+    kw = dict(clip_eps=0.2, kl_beta=0.1, loss_type=loss_type)
+    loss, stats = grpo_loss(logp, old, ref_logp, adv, mask, sampling_logp=sampling_logp, is_mode=is_mode, is_cap=cap, **kw)
+    want = _naive_loss(logp, old, ref_logp, adv, mask, 0.2, 0.2, 0.1, loss_type, sampling_logp=sampling_logp,
+                       is_mode=is_mode, cap=cap)
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    (g,) = torch.autograd.grad(loss, logp)
+    (g_want,) = torch.autograd.grad(want, logp)
+    torch.testing.assert_close(g, g_want, rtol=1e-12, atol=1e-15)
+    s = stats.summary()
+    assert s["ratio_mean"] == 1.0 and s["clip_frac"] == 0.0  # the policy ratio, trainer new/old
+    m = mask.bool()
+    d = torch.where(m, old - sampling_logp, 0.0)
+    w = (d.sum(1, keepdim=True).expand_as(d) if is_mode.startswith("sequence") else d).exp()[m]
+    assert s["is_mean"] == pytest.approx(w.mean().item(), rel=1e-12)
+    assert (s["is_min"], s["is_max"]) == (pytest.approx(w.min().item()), pytest.approx(w.max().item()))
+    assert s["is_capped_frac"] == pytest.approx((w > cap).double().mean().item())
+    assert 0 < s["is_capped_frac"] < 1  # the case exercises the cap
+
+
+def test_engine_mismatch_weight_is_one_when_aligned():
+    logp, _, adv, mask = _random_case(seed=7)
+    logp.requires_grad_()
+    plain, _ = grpo_loss(logp, logp.detach(), None, adv, mask)
+    weighted, st = grpo_loss(logp, logp.detach(), None, adv, mask, sampling_logp=logp.detach(), is_mode="sequence_mask")
+    assert weighted.item() == plain.item()
+    assert st.summary()["is_mean"] == 1.0 and st.summary()["is_capped_frac"] == 0.0
+    with pytest.raises(ValueError, match="is_mode"):
+        grpo_loss(logp, logp, None, adv, mask, sampling_logp=logp.detach(), is_mode="sequence")
 
 
 # ---------------------------------------------------------------- masks and empty sequences
@@ -255,30 +307,41 @@ def test_rejects_bad_arguments():
 # ---------------------------------------------------------------- global normalizers and stats
 
 
+def _numbers(summary: dict) -> dict:
+    return {k: v for k, v in summary.items() if v is not None}
+
+
+@pytest.mark.parametrize("is_mode", [None, "sequence_mask", "token_truncate"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_norm_override_sums_parts_to_the_whole(loss_type):
+def test_norm_override_sums_parts_to_the_whole(loss_type, is_mode):
     logp, old_logp, adv, mask = _random_case(seed=4, B=6)
     ref_logp = logp + 0.2
     logp.requires_grad_()
     kw = dict(clip_eps=0.2, clip_eps_high=0.3, kl_beta=0.05, loss_type=loss_type)
+    if is_mode:  # the engine-mismatch weight is per token or per whole sequence: parts split by rows
+        g = torch.Generator().manual_seed(11)
+        kw.update(is_mode=is_mode, is_cap=1.5, sampling_logp=old_logp + 0.3 * torch.randn(old_logp.shape, generator=g, dtype=f64))
     # uneven parts, the second trimmed to fewer columns as a micro-batch would be
     parts = [(slice(0, 1), slice(None)), (slice(1, 6), slice(0, 5))]
     mask = mask.clone()
     mask[1:, 5:] = False
     norm = Normalizer(num_seqs=6, num_tokens=int(mask.sum()), max_len=logp.shape[1])
     full, full_stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, **kw)
-    total, stats = 0.0, LossStats.empty()
+    total, stats = 0.0, LossStats.empty(is_weight=is_mode is not None)
     for rows, cols in parts:
+        part_kw = {**kw, "sampling_logp": kw["sampling_logp"][rows, cols]} if is_mode else kw
         loss, st = grpo_loss(
-            logp[rows, cols], old_logp[rows, cols], ref_logp[rows, cols], adv[rows], mask[rows, cols], norm=norm, **kw
+            logp[rows, cols], old_logp[rows, cols], ref_logp[rows, cols], adv[rows], mask[rows, cols], norm=norm,
+            **part_kw,
         )
         total, stats = total + loss, stats + st
     assert total.item() == pytest.approx(full.item(), rel=1e-12)
     g_full, g_parts = (torch.autograd.grad(x, logp)[0] for x in (full, total))
     torch.testing.assert_close(g_parts, g_full, rtol=1e-12, atol=1e-15)
     # stats combine exactly, also through the packed form an all-reduce would carry
-    assert stats.summary() == pytest.approx(full_stats.summary(), rel=1e-12)
+    assert _numbers(stats.summary()) == pytest.approx(_numbers(full_stats.summary()), rel=1e-12)
     assert LossStats.unpack(*stats.pack()).summary() == stats.summary()
+    assert (stats.summary()["is_mean"] is None) == (is_mode is None)
 
 
 def test_dr_grpo_max_len_is_a_constant():

@@ -165,9 +165,10 @@ def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False):
         if loss_cfg.loss_type == "dr_grpo":  # sum / (B * max_len), max_len the longest completion or given
             longest = int(batch.completion_mask.sum(dim=1).max())
             norm = Normalizer(len(batch), int(batch.completion_mask.sum()), max_len or longest)
+        trainer_old = loss_cfg.old_logp_source == "trainer"
         loss, st = grpo_loss(
             logp,
-            batch.old_logp,
+            logp.detach() if trainer_old else batch.old_logp,
             ref_logp,
             batch.adv,
             batch.completion_mask,
@@ -176,6 +177,9 @@ def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False):
             kl_beta=loss_cfg.kl_beta,
             loss_type=loss_cfg.loss_type,
             norm=norm,
+            sampling_logp=batch.old_logp if trainer_old and loss_cfg.importance_sampling_correction else None,
+            is_mode=loss_cfg.importance_sampling_mode,
+            is_cap=loss_cfg.importance_sampling_cap,
         )
         loss.backward()
         max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
@@ -195,7 +199,9 @@ def _rel_err(got: dict, want: dict) -> float:
 
 def _assert_stats_close(got: dict, want: dict, rel=1e-8):
     for k, v in want.items():
-        if math.isnan(v):
+        if v is None:
+            assert got[k] is None, k
+        elif math.isnan(v):
             assert math.isnan(got[k]), k
         else:
             assert got[k] == pytest.approx(v, rel=rel, abs=1e-12), k
@@ -321,6 +327,22 @@ CASES = {
             zero_adv_rank=1,
             max_len=8,
         ),
+        # TRL's semantics: the trainer's own old log-probs, the engine's corrected by a capped weight
+        Case(
+            "grpo_trainer_old_sequence_mask",
+            replace(KL, old_logp_source="trainer", importance_sampling_mode="sequence_mask", importance_sampling_cap=2.0),
+            OptimConfig(micro_batch=2, max_grad_norm=10.0),
+            n=5,
+            shard_sizes=(1, 4),
+        ),
+        Case(
+            "dapo_trainer_old_token_truncate",
+            replace(KL, loss_type="dapo", old_logp_source="trainer", importance_sampling_mode="token_truncate",
+                    importance_sampling_cap=1.5),
+            OptimConfig(micro_batch=3, max_grad_norm=10.0),
+            n=6,
+            zero_adv_rank=0,
+        ),
     ],
     3: [
         Case("grpo_array_split", KL, OptimConfig(micro_batch=2, max_grad_norm=10.0), n=7, zero_adv_rank=2),
@@ -428,14 +450,19 @@ def test_ddp_step_matches_single_process(world_size, ddp_results):
             assert _rel_err(delta, want_delta) <= 1e-10, (case.name, rank, _rel_err(delta, want_delta))
             # every rank reports the same (all-reduced) stats
             assert stats.keys() == rank0.keys()
-            assert all(stats[k] == rank0[k] or (math.isnan(stats[k]) and math.isnan(rank0[k])) for k in stats)
+            assert all(stats[k] == rank0[k] or (stats[k] is not None and math.isnan(stats[k]) and math.isnan(rank0[k]))
+                       for k in stats)
         _assert_stats_close(rank0, want_stats, rel=1e-9)
         # the scenarios are what they claim to be
         last = batches[-1]
         assert rank0["samples"] == case.n
         assert rank0["samples_nonzero_adv"] == int((last.adv != 0).sum())
         assert rank0["tokens"] == int(last.completion_mask.sum())
-        assert rank0["clip_frac"] > 0
+        if case.loss.old_logp_source == "engine":
+            assert rank0["clip_frac"] > 0 and rank0["is_mean"] is None
+        else:  # the policy ratio is 1 at the single update; the mismatch weight was applied and capped
+            assert rank0["ratio_mean"] == 1.0 and rank0["clip_frac"] == 0
+            assert 0 < rank0["is_capped_frac"] < 1 and rank0["is_max"] > case.loss.importance_sampling_cap
         assert (rank0["kl"] > 0) if case.loss.kl_beta > 0 else math.isnan(rank0["kl"])
         if case.zero_adv_rank is not None:
             assert 0 < rank0["samples_nonzero_adv"] < case.n
