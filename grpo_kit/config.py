@@ -23,6 +23,7 @@ LORA_MODES = ("auto", "request", "merged")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 TUPLE_FIELDS = ("lora_targets", "stop")
+STALENESS_POLICIES = ("pace", "discard")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -270,7 +271,14 @@ class RunConfig:
     pipelined: bool = True
     """Generate batch N+1 while batch N trains."""
     max_staleness: int = 1
-    """Largest allowed lag (trainer version - rollout version); older groups are dropped."""
+    """Largest allowed lag (trainer version - rollout version) of a trained batch."""
+    pipeline_depth: int | None = None
+    """Batches generated ahead of the trainer (with ``pipelined``); None means ``max_staleness``."""
+    staleness_policy: str = "pace"
+    """``"pace"``: generation waits, so that no batch is ever more than ``max_staleness`` behind (the
+    depth is capped at it). ``"discard"``: generation runs ``pipeline_depth`` batches ahead with the
+    newest adapter; a batch found more than ``max_staleness`` behind when its turn comes is discarded
+    and generated again from the current adapter (counted in ``rejected_groups``)."""
     eval_every: int = 4
     """Evaluate held-out accuracy every k iterations (and at the end); 0 disables."""
     seed: int = 0
@@ -283,7 +291,19 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _check(self.pipeline_depth is None or self.pipeline_depth >= 0,
+               f"pipeline_depth must be >= 0 or None, got {self.pipeline_depth}")
+        _check(self.staleness_policy in STALENESS_POLICIES,
+               f"staleness_policy must be one of {STALENESS_POLICIES}, got {self.staleness_policy!r}")
         _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+
+    @property
+    def depth(self) -> int:
+        """Batches actually generated ahead of the trainer."""
+        if not self.pipelined:
+            return 0
+        want = self.max_staleness if self.pipeline_depth is None else self.pipeline_depth
+        return min(want, self.max_staleness) if self.staleness_policy == "pace" else want
 
     @property
     def store_root(self) -> str:

@@ -2,8 +2,11 @@
 
 With ``pipelined=True`` generation of batch N+1 is submitted (with the newest published adapter)
 *before* the driver waits for training on batch N, so the two overlap on disjoint workers; up to
-``max_staleness`` batches are in flight. Groups whose adapter version lags the trainer's by more
-than ``max_staleness`` are dropped and counted. ``pipelined=False`` runs the same work in order.
+``RunConfig.depth`` batches are in flight. With ``staleness_policy="pace"`` (default) the depth is
+at most ``max_staleness``, so no batch is ever too stale; with ``"discard"`` generation may run
+further ahead, and a batch more than ``max_staleness`` versions behind when its turn comes is
+dropped, counted in ``rejected_groups`` and generated again from the current adapter.
+``pipelined=False`` runs the same work in order.
 
 Every iteration appends a record to ``<run_dir>/metrics.jsonl`` and checkpoints: the trainer's
 rank 0 publishes adapter ``v+1`` and its optimizer state to the store, then the driver writes the
@@ -240,7 +243,7 @@ class _Driver:
         # task keys are unique per run() call: two drivers on one scheduler never share a task
         self.key = f"{state['run_id']}-{os.urandom(3).hex()}"
         s = cfg.sampling
-        self.depth = cfg.run.max_staleness if cfg.run.pipelined else 0
+        self.depth = cfg.run.depth
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.reward_kw = cl.reward_kwargs(cfg)
 
@@ -250,15 +253,19 @@ class _Driver:
         return rng.sample(self.train_pool, self.cfg.sampling.prompts_per_step)
 
     def rollout_version(self, iteration: int) -> int:
-        """The adapter version that generates ``iteration``'s batch: the trainer's version ``depth``
-        iterations earlier, when generation is submitted in an uninterrupted run. A resumed run so
-        samples its pending batches from the versions the uninterrupted run would have used."""
+        """The adapter version that generates ``iteration``'s batch. Pacing: the trainer's version
+        ``depth`` iterations earlier, when generation is submitted in an uninterrupted run (a resumed
+        run so samples its pending batches from the versions the uninterrupted run would have used).
+        Discarding: the newest version."""
+        if self.cfg.run.staleness_policy == "discard":
+            return self.state["version"]
         return min(self.state["version"], max(0, iteration - self.depth))
 
-    def submit_generation(self, iteration: int) -> None:
+    def submit_generation(self, iteration: int, version: int | None = None) -> None:
         if iteration in self.pending or iteration >= self.cfg.run.iterations:
             return
-        s, version = self.cfg.sampling, self.rollout_version(iteration)
+        s = self.cfg.sampling
+        version = self.rollout_version(iteration) if version is None else version
         probs = self.problems_for(iteration)
         per = math.ceil(len(probs) / self.chunks)
         futures = []
@@ -307,15 +314,22 @@ class _Driver:
             t_iter = time.time()
             pend = self.pending.pop(it)
             results = self.client.gather(pend.futures)
+            rejected = 0
+            if self.state["version"] - pend.version > cfg.run.max_staleness:
+                # too stale (staleness_policy="discard"): drop it, generate it again from the current adapter
+                rejected = cfg.sampling.prompts_per_step
+                self.submit_generation(it, version=self.state["version"])
+                pend = self.pending.pop(it)
+                results = self.client.gather(pend.futures)
             t_gen_done = time.time()
             for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
                 self.submit_generation(j)
-            rec = self.train_on(it, pend, results, t_iter, t_gen_done)
+            rec = self.train_on(it, pend, results, t_iter, t_gen_done, rejected)
             if self.depth == 0:
                 self.submit_generation(it + 1)
             self.finish_iteration(rec, bar)
 
-    def train_on(self, it, pend, results, t_iter, t_gen_done) -> dict:
+    def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0) -> dict:
         cfg, s = self.cfg, self.cfg.sampling
         rollouts = [Rollout.from_dict(r) for res in results for r in res["rollouts"]]
         rollouts.sort(key=lambda r: (r.group_id, r.sample_idx))
@@ -324,9 +338,11 @@ class _Driver:
             raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
         version = self.state["version"]
         lag = version - pend.version
-        kept = rollouts if lag <= cfg.run.max_staleness else []
+        if lag > cfg.run.max_staleness:  # the loop regenerates too-stale batches before they get here
+            raise RuntimeError(f"iteration {it}: a batch {lag} versions behind reached the trainer (max_staleness "
+                               f"{cfg.run.max_staleness})")
+        kept = rollouts
         n_groups = len(rollouts) // s.group_size
-        rejected = n_groups - len(kept) // s.group_size
         rewards = torch.tensor([r.reward for r in kept], dtype=torch.float64)
         adv = group_advantages(rewards, s.group_size, scale=cfg.loss.adv_scale) if len(kept) else rewards
         samples = [(r.prompt_ids, r.completion_ids, r.logprobs, float(a)) for r, a in zip(kept, adv.tolist(), strict=True)]
@@ -381,7 +397,7 @@ class _Driver:
             "staleness_max": lag,
             "staleness_mean": float(lag),
             "rejected_groups": rejected,
-            "kept_groups": n_groups - rejected,
+            "kept_groups": n_groups,
             "zero_spread_groups": sum(not x for x in spread),
             "all_zero_spread": bool(spread) and not any(spread),
             "usable_samples": usable,

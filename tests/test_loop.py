@@ -125,6 +125,26 @@ def test_staleness_bound_zero_keeps_nothing_in_flight(tmp_path, client):
     assert [r["rejected_groups"] for r in res.records] == [0, 0, 0]
 
 
+def test_deeper_pipeline_paces_or_discards(tmp_path, client):
+    """max_staleness=K: pacing generates K batches ahead and never more; discarding runs further
+    ahead and regenerates the batches that came back too stale."""
+    assert config.profile("tiny", pipeline_depth=3, max_staleness=1).run.depth == 1  # pace caps the depth
+    deep = _cfg(tmp_path, iterations=5, world_size=1, max_staleness=2, run_dir=str(tmp_path / "k2"))
+    res = loop.run(deep, client=client, progress=False)
+    assert [r["rollout_version"] for r in res.records] == [0, 0, 0, 1, 2]  # two batches ahead
+    assert [r["staleness_max"] for r in res.records] == [0, 1, 2, 2, 2]
+    assert [r["rejected_groups"] for r in res.records] == [0] * 5
+
+    discard = _cfg(tmp_path, iterations=5, world_size=1, max_staleness=1, pipeline_depth=2, staleness_policy="discard",
+                   run_dir=str(tmp_path / "discard"))
+    res = loop.run(discard, client=client, progress=False)
+    assert [r["version"] for r in res.records] == [1, 2, 3, 4, 5]  # every iteration trained
+    assert all(r["staleness_max"] <= 1 for r in res.records)
+    assert sum(r["rejected_groups"] for r in res.records) >= discard.sampling.prompts_per_step  # the path ran
+    assert res.summary["rejected_groups"] == sum(r["rejected_groups"] for r in res.records)
+    _assert_groups_exact(tmp_path / "discard", discard)  # a discarded batch is neither trained nor lost
+
+
 def test_rollout_worker_killed_during_generation(tmp_path, client):
     cfg = _cfg(tmp_path, iterations=4, world_size=1, prompts_per_step=8)
     killed = []
