@@ -4,11 +4,14 @@ An engine samples ``n`` completions per problem under one adapter ``version`` (0
 and returns one :class:`Rollout` per completion, grouped consecutively (``group_id = group_offset +
 i`` for problem ``i``). Contract shared by :class:`HFEngine` and :class:`~grpo_kit.vllm_engine.VLLMEngine`:
 
-- ``prompt_ids`` are the prompt tokenized once (``add_special_tokens=False``) and ``completion_ids``
-  exactly the sampled tokens; nothing is re-tokenized, so the trainer scores what was sampled.
-- A completion that stopped includes its stop token (EOS) as the last id, with its log-prob: the
-  model is trained to stop. ``text`` is the decoded completion without the stop token and without
-  special tokens. A completion cut at ``max_new_tokens`` has ``finish_reason == "length"``.
+- ``prompt_ids`` are the prompt rendered by :mod:`grpo_kit.prompts` (the model's chat template, or
+  the plain prompt) and tokenized once; ``completion_ids`` are exactly the sampled tokens kept by the
+  stop rules; nothing is re-tokenized, so the trainer scores what was sampled.
+- A completion that stopped at EOS includes it as the last id, with its log-prob: the model is
+  trained to stop. One that stopped at a stop string ends with the token that completed it
+  (``Rollout.stop`` names the string). ``text`` is the decoded completion without the EOS token or
+  the stop string and without special tokens. A completion cut at ``max_new_tokens`` has
+  ``finish_reason == "length"``.
 - ``logprobs[j]`` is ``log p(completion_ids[j])`` under the distribution actually sampled from:
   after temperature, with top-k and top-p off. At temperature 1.0 that is the policy itself,
   which :func:`grpo_kit.train_step.token_logprobs` recomputes (the on-policy ratio is 1).
