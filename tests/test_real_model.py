@@ -6,6 +6,7 @@ learning run itself is bench/real_model.py."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,16 +68,21 @@ def test_engine_logprobs_are_the_trainers(which, smol_path, store, one_torch_thr
     assert_aligned(dlogp(policy(smol_path, store, 1), out), min_tokens=400)
 
 
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
 @pytest.mark.parametrize("which", ENGINES)
 def test_loop_on_smollm2(which, smol_path, tmp_path):
-    """Two pipelined iterations on a real LocalCluster: chat prompts, stop strings, strict and
-    lenient accuracy recorded, adapters on all seven projections published and loaded."""
+    """Two pipelined iterations of GSM8K on a real LocalCluster: chat prompts, stop strings, strict
+    and lenient accuracy recorded, adapters on all seven projections published and loaded."""
     if which != "hf":
         pytest.importorskip("vllm")
     engine, _, mode = which.partition("-")
     cfg = config.profile(
         "smol", engine=engine, lora_mode=mode or "auto", iterations=2, prompts_per_step=2, group_size=4,
         max_new_tokens=24, eval_size=4, eval_every=1, micro_batch=4, run_dir=str(tmp_path / "run"),
+        dataset=str(GSM8K), train_size=64, max_model_len=512,
     )
     result = loop.run(cfg, progress=False)
     recs = result.records
@@ -92,6 +98,7 @@ def test_loop_on_smollm2(which, smol_path, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
     assert len(rows) == 2 * 2 * 4
     assert all(tok.decode(r["prompt_ids"]).startswith("<|im_start|>system\n") for r in rows)
+    assert all(r["prompt_id"].startswith("gsm8k-train-") for r in rows)
     assert all(r["correct"] in (True, False) and r["lenient_correct"] in (True, False) for r in rows)
     assert all(r["stop"] in (None, "\n\n") for r in rows)
     store = AdapterStore(cfg.run.store_root)
