@@ -17,6 +17,7 @@ import html
 import json
 import math
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
@@ -52,12 +53,22 @@ COLORS = {
     "eval": _C[3],
     "iteration": "#444444",
 }
+# The title sits at the top edge of the figure and the legend at its bottom edge, under the x axis
+# title: a legend that wraps onto more rows at a narrow width (JupyterLab's output area, the report
+# in a small window) grows away from the title and pushes the plot area up, never over a title.
 _LAYOUT = dict(
     template="plotly_white",
-    margin=dict(l=60, r=30, t=60, b=50),
+    margin=dict(l=60, r=30, t=50, b=50),
     hovermode="x unified",
-    legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1),
+    title=dict(x=0, xref="paper", xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=14)),
+    legend=dict(orientation="h", x=0, xanchor="left", y=0, yref="container", yanchor="bottom"),
 )
+
+
+def _style(fig: go.Figure, title: str, height: int, **layout: Any) -> None:
+    """The common layout (:data:`_LAYOUT`, overridden by ``layout``), a title and a height."""
+    fig.update_layout(**{**_LAYOUT, **layout}, height=height)
+    fig.update_layout(title_text=title)
 
 
 # ---------------------------------------------------------------- reading a run
@@ -150,6 +161,36 @@ def _line(records, key, name, color, dash=None, mode="lines+markers", **kw) -> g
     return go.Scatter(x=xs, y=ys, name=name, mode=mode, line=dict(color=color, dash=dash), marker=dict(size=5), **kw)
 
 
+def _lenient(series: tuple[list[int], list[float]], name: str, color: str) -> go.Scatter:
+    """A lenient-accuracy series: the strict series' colour, lighter and dotted."""
+    return go.Scatter(
+        x=series[0],
+        y=series[1],
+        name=name,
+        mode="lines+markers",
+        opacity=0.55,
+        line=dict(color=color, dash="dot", width=1.5),
+        marker=dict(size=3),
+    )
+
+
+def _eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of a held-out measure, each at the step that produced the version it evaluated.
+
+    An evaluation finishes later than that step (version v comes out of iteration v - 1): plotted
+    at the iteration during which it finished, it would lag. Records without ``eval_version`` keep
+    their own iteration.
+    """
+    pts = []
+    for i, rec in enumerate(records):
+        y = _num(rec.get(key))
+        v = rec.get("eval_version")
+        if y is not None:
+            pts.append((v - 1 if isinstance(v, int) and not isinstance(v, bool) else _x(rec, i), y))
+    pts.sort()
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
 def _band(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any], name: str, color: str) -> go.Scatter:
     """A filled band as one closed polygon (one trace, so a live update is one restyle)."""
     pts = [(_x(r, i), _num(lo(r)), _num(hi(r))) for i, r in enumerate(records)]
@@ -171,7 +212,11 @@ def _band(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any], nam
 
 
 def reward_figure(records: Sequence[Record]) -> go.Figure:
-    """Reward mean with a ±std band (left axis); train, held-out and base-model accuracy (right axis)."""
+    """Reward mean with a ±std band (left axis); train, held-out and base-model accuracy (right axis).
+
+    Accuracy is strict (the ``#### <n>`` form and the right value), with lenient accuracy (the right
+    value by any rule) beside it, lighter and dotted, where the records have it.
+    """
     fig = make_subplots(specs=[[{"secondary_y": True}]])
 
     def std_edge(sign: int) -> Callable[[Record], Any]:
@@ -183,16 +228,26 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
 
     fig.add_trace(_band(records, std_edge(-1), std_edge(+1), "reward ± std", COLORS["reward"]), secondary_y=False)
     fig.add_trace(_line(records, "reward_mean", "reward mean", COLORS["reward"]), secondary_y=False)
-    fig.add_trace(_line(records, "train_acc", "train accuracy", COLORS["train_acc"], dash="dot"), secondary_y=True)
-    # An evaluation finishes later than the step that produced its version: plot it at that step
-    # (version v comes out of iteration v - 1), not at the iteration during which it finished.
-    evals = sorted((int(r["eval_version"]) - 1, _num(r.get("eval_acc"))) for r in records
-                   if _num(r.get("eval_acc")) is not None and isinstance(r.get("eval_version"), int))
-    undated = [r for r in records if _num(r.get("eval_acc")) is not None and not isinstance(r.get("eval_version"), int)]
-    ex, ey = _series(undated, "eval_acc")
-    pts = sorted([*evals, *zip(ex, ey, strict=True)])
-    fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], name="eval accuracy", mode="lines+markers",
-                             line=dict(color=COLORS["eval_acc"]), marker=dict(size=5)), secondary_y=True)
+    # runs from before lenient grading have no lenient keys: those traces stay empty, out of the legend
+    fig.add_trace(_line(records, "train_acc", "train accuracy", COLORS["train_acc"]), secondary_y=True)
+    fig.add_trace(
+        _lenient(_series(records, "train_lenient_acc"), "train (lenient)", COLORS["train_acc"]), secondary_y=True
+    )
+    ex, ey = _eval_series(records, "eval_acc")
+    fig.add_trace(
+        go.Scatter(
+            x=ex,
+            y=ey,
+            name="held-out accuracy",
+            mode="lines+markers",
+            line=dict(color=COLORS["eval_acc"]),
+            marker=dict(size=5),
+        ),
+        secondary_y=True,
+    )
+    fig.add_trace(
+        _lenient(_eval_series(records, "eval_lenient_acc"), "held-out (lenient)", COLORS["eval_acc"]), secondary_y=True
+    )
     # The base model's accuracy is one number: a dashed line across the iterations run so far.
     base = _num(_last(records, "base_acc"))
     xs = [_x(r, i) for i, r in enumerate(records)]
@@ -203,7 +258,7 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
         ),
         secondary_y=True,
     )
-    fig.update_layout(title="Reward and accuracy", height=420, **_LAYOUT)
+    _style(fig, "Reward and accuracy", 420)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="reward", secondary_y=False)
     # explicit ticks: plotly.js would otherwise sync them to the reward axis' grid (0.122, 0.302, ...)
@@ -239,8 +294,7 @@ def drift_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(_line(records, "clip_frac_high", "clip high", COLORS["clip_high"], dash="dot"), row=2, col=1)
     fig.add_trace(_line(records, "clip_frac", "clip total", COLORS["clip"]), row=2, col=1)
     fig.add_trace(_line(records, "kl_mean", "KL", COLORS["kl"]), row=3, col=1)
-    fig.update_layout(title="Off-policy drift", height=700, **_LAYOUT)
-    fig.update_layout(margin_t=90, legend_y=1.05)  # keep the legend clear of the first panel's title
+    _style(fig, "Off-policy drift", 700)
     fig.update_xaxes(title_text="iteration", row=3, col=1)
     return fig
 
@@ -256,7 +310,7 @@ def staleness_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(
         _line(records, "staleness_mean", "staleness mean", COLORS["staleness_mean"], dash="dot"), secondary_y=False
     )
-    fig.update_layout(title="Staleness", height=380, **_LAYOUT)
+    _style(fig, "Staleness", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="version lag", rangemode="tozero", secondary_y=False)
     fig.update_yaxes(
@@ -311,14 +365,14 @@ def timeline_figure(records: Sequence[Record]) -> go.Figure:
                 marker=dict(color=COLORS.get(kind, _C[(i + 4) % len(_C)]), line=dict(color="white", width=1)),
             )
         )
-    layout = {**_LAYOUT, "hovermode": "closest"}
-    fig.update_layout(
-        title="Pipeline timeline",
-        height=340,
+    _style(
+        fig,
+        "Pipeline timeline",
+        340,
+        hovermode="closest",
         barmode="overlay",
         bargap=0.25,
         uniformtext=dict(minsize=8, mode="hide"),
-        **layout,
     )
     fig.update_xaxes(title_text="seconds since the first span", rangemode="tozero")
     fig.update_yaxes(categoryorder="array", categoryarray=kinds[::-1])
@@ -341,7 +395,7 @@ def timing_figure(records: Sequence[Record]) -> go.Figure:
             mode="lines",
         )
     )
-    fig.update_layout(title="Time per iteration", height=380, **_LAYOUT)
+    _style(fig, "Time per iteration", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="seconds", rangemode="tozero")
     return fig
@@ -382,6 +436,52 @@ def _notebook_frontend() -> bool:
     return bool(parent.get("metadata"))
 
 
+SUBSHELL_WAIT_S = 5.0
+"""How long :class:`LivePlots` waits for the frontend to set up the widgets' comm subshell."""
+_subshell_wait_failed = False
+
+
+def await_comm_subshell(timeout: float = SUBSHELL_WAIT_S, settle: float = 0.3) -> bool | None:
+    """Wait until the notebook frontend has set up its subshell for widget comms; True once it has.
+
+    Why: JupyterLab 4.4 and later send widget comms over kernel subshells (``commsOverSubshells``
+    setting, default one subshell per comm target). The first widget comm of a kernel makes it send
+    a ``create_subshell_request`` on the control channel, and ipykernel 7 answers every control
+    request with a busy/idle pair of status messages on IOPub. JupyterLab's status bar and
+    jupyter_server's ``execution_state`` take any status message as the kernel's, so from that
+    ``idle`` on they say "Idle" until the running cell ends (jupyter/jupyter_client#838: control
+    requests should not publish execution state). Called in the short cell that first shows
+    widgets, this lets the pair go out before the next, long cell starts.
+
+    It reads ipykernel 7's subshell manager (``kernel.shell_channel_thread.manager.list_subshell()``,
+    what the ``%subshell`` magic lists). Returns None where the kernel has no subshells (ipykernel < 7,
+    or not in a kernel), True when a subshell exists (at once if one already did: an earlier widget),
+    False after ``timeout`` seconds without one (a frontend that does not use subshells for comms);
+    it waits that long once per kernel.
+    """
+    global _subshell_wait_failed
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    kernel = getattr(get_ipython(), "kernel", None)
+    manager = getattr(getattr(kernel, "shell_channel_thread", None), "manager", None)
+    if manager is None or not hasattr(manager, "list_subshell"):
+        return None
+    if manager.list_subshell():
+        return True
+    if _subshell_wait_failed:
+        return False
+    deadline = time.monotonic() + timeout
+    while not manager.list_subshell():
+        if time.monotonic() > deadline:
+            _subshell_wait_failed = True
+            return False
+        time.sleep(0.05)
+    time.sleep(settle)  # the control thread publishes its idle status just after creating the subshell
+    return True
+
+
 def _figure_widget(fig: go.Figure) -> go.Figure | None:
     """``go.FigureWidget(fig)``, or None where it cannot be made (plotly >= 6 needs anywidget)."""
     try:
@@ -413,17 +513,21 @@ def update_in_place(fig: go.Figure, fresh: go.Figure) -> None:
 class LivePlots:
     """A metrics callback that plots a run as it goes.
 
-    Create it in a notebook cell before the run and hand it to the loop as its per-iteration
-    metrics callback::
+    Create it in a notebook cell of its own, before the cell that runs the loop, and hand it to the
+    loop as its per-iteration metrics callback::
 
-        live = LivePlots()  # the figures appear under this cell
-        ...                 # the run calls live(record) after every iteration
-        live.show()         # static figures, where no widget could follow the run
+        live = LivePlots()         # the figures appear under this cell
+        ...                        # the run calls live(record) after every iteration
+        live.show(result.records)  # adds the final evaluation; static figures where none were live
 
     In JupyterLab it displays ``FigureWidget`` s at construction and updates them in place on each
-    record. Elsewhere (papermill, a console, plain python, or without anywidget) it only collects
-    records, and :meth:`show` displays static figures. ``live=True`` forces in-place updates of the
-    held figures (``FigureWidget`` where possible, else ``go.Figure``) and ``live=False`` turns them off.
+    record. The first widgets of a kernel make JupyterLab set up a kernel subshell, whose status
+    messages would show the kernel as idle for the rest of the cell (:func:`await_comm_subshell`):
+    the constructor waits for that, so a cell of its own ends before the long one starts and the
+    status bar says Busy for the whole run. Elsewhere (papermill, a console, plain python, or
+    without anywidget) it only collects records, and :meth:`show` displays static figures.
+    ``live=True`` forces in-place updates of the held figures (``FigureWidget`` where possible, else
+    ``go.Figure``) and ``live=False`` turns them off.
     """
 
     def __init__(self, records: Iterable[Record] = (), *, live: bool | None = None, names: Sequence[str] | None = None):
@@ -448,6 +552,7 @@ class LivePlots:
                 for w in widgets.values():
                     display(w)
                 self.widgets = True
+                await_comm_subshell()
             return
         if frontend:
             warnings.warn(
@@ -473,13 +578,23 @@ class LivePlots:
     def __call__(self, record: Record) -> None:
         """Append one metrics record and, when live, refresh every figure in place."""
         self.records.append(dict(record))
-        if self._figs is None:
-            return
-        for name, fresh in self._build().items():
-            update_in_place(self._figs[name], fresh)
+        self._refresh()
 
-    def show(self) -> dict[str, go.Figure]:
-        """Display static figures of the whole run, unless live widgets already show it; returns them."""
+    def _refresh(self) -> None:
+        if self._figs is not None:
+            for name, fresh in self._build().items():
+                update_in_place(self._figs[name], fresh)
+
+    def show(self, records: Iterable[Record] | None = None) -> dict[str, go.Figure]:
+        """Display static figures of the whole run, unless live widgets already show it; returns them.
+
+        ``records`` (a run's ``result.records``) first replace the records collected so far, and live
+        figures are redrawn with them: the loop attaches its final evaluation to the last record after
+        the last callback.
+        """
+        if records is not None:
+            self.records = [dict(r) for r in records]
+            self._refresh()
         figs = self.figures
         if not self.widgets:
             try:
@@ -523,7 +638,11 @@ def format_number(v: Any) -> str:
 
 
 def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
-    """Headline numbers of a run from its metric records (``None`` where the run has no such data)."""
+    """Headline numbers of a run from its metric records (``None`` where the run has no such data).
+
+    Accuracy is strict (the ``#### <n>`` form and the right value); the lenient rows (the right value
+    by any rule) appear only for runs whose records carry lenient accuracy.
+    """
     evals = _series(records, "eval_acc")[1]
     spans = _spans(records)
     iter_s = _series(records, "iter_s")[1]
@@ -536,13 +655,18 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
         ys = _series(records, key)[1]
         return max(ys) if ys else None
 
+    def lenient(name: str, key: str) -> dict[str, Any]:  # runs from before lenient grading have no such key
+        return {name: _last(records, key)} if any(key in r for r in records) else {}
+
     return {
         "iterations": len(records),
         "adapter version": _last(records, "version"),
         "base accuracy": _last(records, "base_acc"),
         "final eval accuracy": evals[-1] if evals else None,
+        **lenient("final eval accuracy (lenient)", "eval_lenient_acc"),
         "best eval accuracy": max(evals) if evals else None,
         "final train accuracy": _last(records, "train_acc"),
+        **lenient("final train accuracy (lenient)", "train_lenient_acc"),
         "final reward mean": _last(records, "reward_mean"),
         "final ratio mean": _last(records, "ratio_mean"),
         "final clip fraction": _last(records, "clip_frac"),

@@ -230,6 +230,11 @@ def ensure_tiny_model(spec: TinySpec | None = None, *, cache_dir: str | os.PathL
     return out
 
 
+def is_built(spec: TinySpec | None = None) -> bool:
+    """Whether :func:`ensure_tiny_model` finds the model in the cache (if not, it pretrains it: minutes)."""
+    return (cache_root() / f"tiny-{(spec or TinySpec()).key()}" / "grpo_kit_tiny.json").exists()
+
+
 def tiny_info(path: str | os.PathLike) -> dict:
     """The build record saved beside a tiny model (spec and pretraining timings)."""
     return json.loads((Path(path) / "grpo_kit_tiny.json").read_text())

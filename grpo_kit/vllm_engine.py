@@ -61,6 +61,7 @@ from collections.abc import Sequence
 
 from grpo_kit import data
 from grpo_kit.config import LORA_MODES
+from grpo_kit.logs import reload_misses
 from grpo_kit.prompts import PromptFormat, encode_prompts
 from grpo_kit.rollout import Rollout, check_request, group_seed, make_rollout, stop_token_ids
 
@@ -250,12 +251,16 @@ class VLLMEngine:
             for name, w in self._base_weights.items()
         ]
         self._loaded_version = None  # a failure below leaves the weights unknown: reload next call
-        with _quiet("vllm"):  # vLLM logs both at INFO on every call: once per training step here
+        # vLLM logs both at INFO on every call (once per training step here), and warns about layers
+        # that take no checkpoint weights by design; a layer that should have and got none is an error
+        with _quiet("vllm"), reload_misses() as misses:
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
             )
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after a weight change")
+        if misses.unexpected:
+            raise RuntimeError(f"vLLM loaded no weights into {sorted(set(misses.unexpected))} for adapter v{version}")
         self._loaded_version = version
 
     def _params(self, **kw):

@@ -44,7 +44,9 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "reward_mean": 0.2 + 0.05 * i,
                 "reward_std": 0.3 - 0.01 * i,
                 "train_acc": 0.15 + 0.05 * i,
+                "train_lenient_acc": 0.2 + 0.05 * i,
                 "eval_acc": 0.25 + 0.0625 * i if evaluated else None,
+                "eval_lenient_acc": 0.3 + 0.0625 * i if evaluated else None,
                 "base_acc": 0.25,
                 "loss": -0.01 * i,
                 "ratio_mean": 1.0 + 0.001 * i,
@@ -145,7 +147,15 @@ def test_load_run_missing_files_and_a_bad_middle_line(tmp_path):
 # ---------------------------------------------------------------- figures
 
 EXPECTED = {
-    "reward": {"reward ± std", "reward mean", "train accuracy", "eval accuracy", "base model"},
+    "reward": {
+        "reward ± std",
+        "reward mean",
+        "train accuracy",
+        "train (lenient)",
+        "held-out accuracy",
+        "held-out (lenient)",
+        "base model",
+    },
     "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL"},
     "staleness": {"staleness max", "staleness mean", "rejected groups"},
     "timeline": {"generate", "train", "publish", "eval"},
@@ -164,13 +174,53 @@ def test_all_figures_have_stable_keys_and_expected_traces():
 
 def test_reward_figure_values():
     fig = plots.reward_figure(synthetic_records(12))
-    ev = trace(fig, "eval accuracy")
+    ev = trace(fig, "held-out accuracy")
     assert ev.x == (3, 7, 11)  # only the iterations where eval ran
     assert ev.y[-1] == pytest.approx(0.25 + 0.0625 * 11)
+    lenient = trace(fig, "held-out (lenient)")
+    assert lenient.x == ev.x and lenient.y[-1] == pytest.approx(0.3 + 0.0625 * 11)
+    assert lenient.line.color == ev.line.color and lenient.line.dash == "dot" and lenient.opacity < 1
+    assert trace(fig, "train (lenient)").y[:2] == (0.2, 0.25) and trace(fig, "train (lenient)").yaxis == "y2"
     base = trace(fig, "base model")
     assert base.x == (0, 11) and base.y == (0.25, 0.25) and base.line.dash == "dash"
     band = trace(fig, "reward ± std")
     assert len(band.x) == 24 and band.fill == "toself"
+
+
+def test_evaluations_sit_at_the_step_that_made_their_version():
+    # the evaluation of v4 (made by iteration 3) finished during iteration 5; one record has no version
+    recs = [{"iteration": i} for i in range(7)]
+    recs[5].update(eval_acc=0.5, eval_lenient_acc=0.625, eval_version=4)
+    recs[6].update(eval_acc=0.75)
+    fig = plots.reward_figure(recs)
+    assert trace(fig, "held-out accuracy").x == (3, 6) and trace(fig, "held-out (lenient)").x == (3,)
+
+
+def test_runs_without_lenient_accuracy_draw_and_report_as_before(tmp_path):
+    old = [{k: v for k, v in r.items() if "lenient" not in k} for r in synthetic_records(8)]
+    fig = plots.reward_figure(old)
+    for name in ("train (lenient)", "held-out (lenient)"):  # still there, empty: plotly leaves them out of the legend
+        assert trace(fig, name).x == () and trace(fig, name).y == ()
+    assert len(trace(fig, "held-out accuracy").x) == 2
+    numbers = plots.final_numbers(old)
+    assert not [k for k in numbers if "lenient" in k]
+    assert numbers["final eval accuracy"] == pytest.approx(0.25 + 0.0625 * 7)
+    new = plots.final_numbers(synthetic_records(8))
+    assert new["final eval accuracy (lenient)"] == pytest.approx(0.3 + 0.0625 * 7)
+    assert new["final train accuracy (lenient)"] == pytest.approx(0.2 + 0.05 * 7)
+    keys = list(new)  # each lenient row right after its strict one
+    assert keys.index("final eval accuracy (lenient)") == keys.index("final eval accuracy") + 1
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert "accuracy (lenient)</th>" not in plots.write_report(tmp_path).read_text()
+
+
+def test_titles_on_top_legends_at_the_bottom():
+    """Titles at the top of the figure, legends at the bottom below the x axis: a legend that wraps
+    at a narrow width grows away from the title (``test_browser`` measures the drawn boxes)."""
+    for name, fig in plots.all_figures(synthetic_records()).items():
+        title, legend = fig.layout.title, fig.layout.legend
+        assert (title.yref, title.yanchor, title.x, title.xanchor) == ("container", "top", 0, "left"), name
+        assert (legend.yref, legend.y, legend.yanchor, legend.orientation) == ("container", 0, "bottom", "h"), name
 
 
 def test_drift_panels_share_x():
@@ -261,10 +311,22 @@ def test_live_plots_update_figures_in_place():
     assert all(live.figures[k] is figs[k] for k in figs)  # the same objects, updated
     assert len(reward_y) == 2 and trace(figs["reward"], "reward mean").y[-1] == pytest.approx(0.2 + 0.05 * 5)
     assert len(gen_x) == 2 and len(trace(figs["timeline"], "generate").x) == 6
-    assert trace(figs["reward"], "eval accuracy").x == (3,)
+    assert trace(figs["reward"], "held-out accuracy").x == (3,)
     # a new span kind changes the trace list: replaced wholesale, still the same figure object
     live({"iteration": 6, "spans": [{"name": "odd", "iteration": 6, "start": 1_700_000_100.0, "end": 1_700_000_101.0}]})
     assert "odd" in names(live.figures["timeline"]) and live.figures["timeline"] is figs["timeline"]
+
+
+def test_show_takes_the_final_records():
+    # the loop attaches the final evaluation to the last record after the last callback
+    records = synthetic_records(5)
+    live = plots.LivePlots(records[:-1], live=True)
+    fig = live.figures["reward"]
+    final = [dict(r) for r in records]
+    final[-1].update(eval_acc=0.875, eval_version=5)
+    assert live.show(final)["reward"] is fig  # redrawn in place
+    assert trace(fig, "held-out accuracy").x == (3, 4) and trace(fig, "held-out accuracy").y[-1] == 0.875
+    assert plots.LivePlots().show(final)["reward"].data  # not live: static figures of those records
 
 
 def test_live_plots_reject_unknown_names():
@@ -319,6 +381,31 @@ def test_notebook_frontend_is_told_from_papermill_in_a_real_kernel():
         code = "from grpo_kit.plots import _notebook_frontend; print(_notebook_frontend())"
         assert _execute(kc, code, {}).strip() == "False"  # what nbclient / papermill send
         assert _execute(kc, code, {"cellId": "abc", "recordTiming": False}).strip() == "True"  # JupyterLab
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_await_comm_subshell_in_a_real_kernel():
+    """The wait reads ipykernel's subshells: none without a kernel, a bounded wait (once) while no
+    frontend creates one, at once when one exists (JupyterLab creates it for the first widget)."""
+    from jupyter_client.manager import start_new_kernel
+
+    assert plots.await_comm_subshell() is None  # plain python: no kernel
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT), startup_timeout=120)
+    try:
+        code = (
+            "import time\nfrom grpo_kit.plots import await_comm_subshell as wait\n"
+            "t = time.monotonic(); a = wait(timeout=0.5); b = wait(timeout=5); print(a, b, round(time.monotonic() - t))"
+        )
+        assert _execute(kc, code, {}).split() == ["False", "False", "1"]  # waited once, for 0.5 s
+        if "kernel subshells" not in kc.kernel_info(reply=True)["content"].get("supported_features", []):
+            pytest.skip("this ipykernel has no subshells")
+        request = kc.session.msg("create_subshell_request", {})
+        kc.control_channel.send(request)  # what JupyterLab sends when a kernel's first widget comm opens
+        assert kc.control_channel.get_msg(timeout=30)["content"]["subshell_id"]
+        code = "from grpo_kit.plots import await_comm_subshell as wait\nprint(wait(timeout=0.0))"
+        assert _execute(kc, code, {}).strip() == "True"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
@@ -383,6 +470,7 @@ def test_report_holds_the_numbers_samples_and_config(report):
     final_eval = [r["eval_acc"] for r in records if r["eval_acc"] is not None][-1]
     assert plots.format_number(final_eval) == "0.9375"
     assert re.search(r'data-key="final eval accuracy"><th>[^<]*</th><td>0\.9375</td>', text)
+    assert re.search(r'data-key="final eval accuracy \(lenient\)"><th>[^<]*</th><td>0\.9875</td>', text)
     assert "<td>0.25</td>" in text  # base accuracy
     assert re.search(r'data-key="grpo_wall_s"><th>grpo_wall_s</th><td>1,234</td>', text)  # summary.json
     assert re.search(r'data-key="tokens"><th>tokens</th><td>48,066</td>', text)
