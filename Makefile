@@ -2,12 +2,16 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo bench lint clean
+.PHONY: setup models test demo bench lint clean
 
 setup:
 	@bash scripts/setup.sh
 
-test: setup
+# the offline models the tests use, built once (tiny: ~3 min of pretraining; smollm2-135m: ~30 s)
+models: setup
+	$(PY) -m grpo_kit.models tiny smollm2-135m
+
+test: setup models
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: setup
@@ -19,6 +23,8 @@ bench:
 	$(PY) bench/engines.py
 	$(PY) bench/pipelining.py
 	$(PY) bench/vs_trl.py
+	$(PY) bench/staleness.py
+	$(PY) bench/real_model.py
 
 lint: setup
 	$(PY) -m ruff check grpo_kit tests bench

@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--lora-scale", type=float, default=None, help="std of the random B matrices "
                     "(default 0.05 for tiny, 0.01 otherwise)")
     ap.add_argument("--version", type=int, default=1, help="1: the perturbed adapter; 0: the base model")
+    ap.add_argument("--engines", nargs="+", default=["vllm_merged", "vllm_request", "hf"],
+                    choices=["vllm_merged", "vllm_request", "hf"])
     args = ap.parse_args()
 
     from grpo_kit.vllm_engine import VLLMEngine
@@ -54,6 +56,8 @@ def main() -> None:
     }
     scorer = policy(path, store, args.version)
     for name, build in engines.items():
+        if name not in args.engines:
+            continue
         t0 = time.perf_counter()
         engine = build()
         rollouts = engine.generate(problems, args.group_size, args.version, **kw)

@@ -230,3 +230,19 @@ def _from_hub(repo_id: str) -> str:
         f"model {repo_id!r} is not a built-in name ({', '.join(BUILT_IN)}) or a local directory, and could not be "
         f"loaded as a hub id. Tried {'; '.join(tried)}. Offline, pass model='/path/to/checkpoint' or a built-in name."
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m grpo_kit.models [NAME ...]``: build (or find in the cache) each named model and
+    print its directory; ``make test`` runs it first, so no test pays a model's one-off build."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m grpo_kit.models", description=main.__doc__)
+    ap.add_argument("names", nargs="*", default=list(BUILT_IN), help=f"model names (default: {' '.join(BUILT_IN)})")
+    args = ap.parse_args(argv)
+    for name in args.names:
+        print(f"{name}: {resolve_model(name)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
