@@ -44,6 +44,7 @@ COLORS = {
     "clip_high": _C[1],
     "clip": "#444444",
     "kl": _C[3],
+    "is_weight": _C[5],
     "staleness_max": _C[1],
     "staleness_mean": _C[0],
     "rejected": "#b0b0b0",
@@ -276,13 +277,16 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
 
 
 def drift_figure(records: Sequence[Record]) -> go.Figure:
-    """Off-policy drift: importance ratio (mean, min/max band), clip fractions, KL to the base model."""
+    """Off-policy drift: the policy's importance ratio (mean, min/max band), clip fractions, KL to the
+    base model and, with ``old_logp_source="trainer"``, the engine-mismatch weight π_old/π_engine
+    (mean, min/max band before the cap) and the share of tokens whose weight was capped."""
     fig = make_subplots(
-        rows=3,
+        rows=4,
         cols=1,
         shared_xaxes=True,
-        vertical_spacing=0.07,
-        subplot_titles=("importance ratio π/π_old", "clip fraction", "KL to base"),
+        vertical_spacing=0.06,
+        subplot_titles=("importance ratio π/π_old", "clip fraction, weight capped", "KL to base",
+                        "engine mismatch weight π_old/π_engine"),
     )
     fig.add_trace(
         _band(records, lambda r: r.get("ratio_min"), lambda r: r.get("ratio_max"), "ratio min/max", COLORS["ratio"]),
@@ -293,9 +297,16 @@ def drift_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(_line(records, "clip_frac_low", "clip low", COLORS["clip_low"], dash="dot"), row=2, col=1)
     fig.add_trace(_line(records, "clip_frac_high", "clip high", COLORS["clip_high"], dash="dot"), row=2, col=1)
     fig.add_trace(_line(records, "clip_frac", "clip total", COLORS["clip"]), row=2, col=1)
+    fig.add_trace(_line(records, "is_capped_frac", "weight capped", COLORS["is_weight"], dash="dash"), row=2, col=1)
     fig.add_trace(_line(records, "kl_mean", "KL", COLORS["kl"]), row=3, col=1)
-    _style(fig, "Off-policy drift", 700)
-    fig.update_xaxes(title_text="iteration", row=3, col=1)
+    fig.add_trace(
+        _band(records, lambda r: r.get("is_min"), lambda r: r.get("is_max"), "weight min/max", COLORS["is_weight"]),
+        row=4,
+        col=1,
+    )
+    fig.add_trace(_line(records, "is_mean", "weight mean", COLORS["is_weight"]), row=4, col=1)
+    _style(fig, "Off-policy drift", 860)
+    fig.update_xaxes(title_text="iteration", row=4, col=1)
     return fig
 
 

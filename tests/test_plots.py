@@ -53,6 +53,10 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "ratio_std": 0.02,
                 "ratio_min": 0.8 - 0.01 * i,
                 "ratio_max": 1.2 + 0.01 * i,
+                "is_mean": 1.0 - 0.001 * i,  # old_logp_source="trainer": the engine-mismatch weight
+                "is_min": 0.5,
+                "is_max": 3.5 + 0.1 * i,
+                "is_capped_frac": 0.001 * i,
                 "clip_frac_low": 0.01,
                 "clip_frac_high": 0.02 + 0.001 * i,
                 "clip_frac": 0.03 + 0.001 * i,
@@ -156,7 +160,8 @@ EXPECTED = {
         "held-out (lenient)",
         "base model",
     },
-    "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL"},
+    "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL", "weight capped",
+              "weight min/max", "weight mean"},
     "staleness": {"staleness max", "staleness mean", "rejected groups"},
     "timeline": {"generate", "train", "publish", "eval"},
     "timing": {"iteration", "generate", "train", "generate + train"},
@@ -226,7 +231,22 @@ def test_titles_on_top_legends_at_the_bottom():
 def test_drift_panels_share_x():
     fig = plots.drift_figure(synthetic_records())
     assert trace(fig, "KL").yaxis == "y3" and trace(fig, "ratio mean").yaxis == "y"
-    assert fig.layout.xaxis.matches == "x3" or fig.layout.xaxis2.matches == "x3"
+    assert trace(fig, "weight mean").yaxis == "y4" and trace(fig, "weight capped").yaxis == "y2"
+    assert fig.layout.xaxis.matches == "x4" or fig.layout.xaxis2.matches == "x4"
+
+
+def test_drift_shows_the_engine_mismatch_weight_apart_from_the_ratio():
+    recs = synthetic_records()
+    fig = plots.drift_figure(recs)
+    assert list(trace(fig, "weight mean").y) == [r["is_mean"] for r in recs]
+    band = trace(fig, "weight min/max")
+    assert max(band.y) == recs[-1]["is_max"] and min(band.y) == 0.5
+    assert list(trace(fig, "ratio mean").y) == [r["ratio_mean"] for r in recs]  # the policy ratio, unchanged
+    # the default mode (ratio against the engine's log-probs) records no weight: those traces stay empty
+    engine_mode = [{**r, "is_mean": None, "is_min": None, "is_max": None, "is_capped_frac": None} for r in recs]
+    fig = plots.drift_figure(engine_mode)
+    assert all(len(trace(fig, n).x) == 0 for n in ("weight mean", "weight min/max", "weight capped"))
+    assert len(trace(fig, "ratio mean").x) == len(recs)
 
 
 def test_timeline_is_relative_and_shows_the_overlap():
