@@ -28,7 +28,8 @@ GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4}
 HF = {**TINY, "engine": "hf"}
 SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
-NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color", "pin_cpus"}
+NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color", "pin_cpus",
+                 "staleness_ks", "corrections"}
 """Parameters that are not config fields; every other parameter name must be one."""
 
 pytestmark = pytest.mark.timeout(900)
@@ -198,14 +199,18 @@ def test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu(tmp_path):
 
 @pytest.mark.slow
 def test_pipelining_study_runs_both_modes(tmp_path):
-    nb = execute("03_pipelining_study.ipynb", tmp_path, **HF, run_dir=str(tmp_path / "study"))
+    nb = execute("03_pipelining_study.ipynb", tmp_path, **HF, run_dir=str(tmp_path / "study"), staleness_ks=[2],
+                 corrections=["trainer"])
     assert not error_outputs(nb)
+    deep = read_jsonl(tmp_path / "study" / "k2-trainer" / "metrics.jsonl")
+    assert [r["staleness_max"] for r in deep] == [0, 1]  # two iterations: the second batch is one behind
+    assert all(r["ratio_mean"] == 1.0 and r["is_mean"] is not None for r in deep)  # TRL's semantics
     for mode in ("pipelined", "sequential"):
         cfg = json.loads((tmp_path / "study" / mode / "config.json").read_text())
         assert cfg["run"]["pipelined"] is (mode == "pipelined")
         assert len(read_jsonl(tmp_path / "study" / mode / "metrics.jsonl")) == TINY["iterations"]
     assert "pipelining speedup: measured" in stdout(nb)
-    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == 3  # the speedup bars and two timelines
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == 4  # speedup bars, reward curves, two timelines
 
 
 @pytest.mark.slow
