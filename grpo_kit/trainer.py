@@ -212,6 +212,19 @@ def get_state(spec: RankSpec) -> TrainerState:
         return _STATE
 
 
+def drop_state() -> bool:
+    """Drop this process's trainer state (policy, optimizer, process group), as a restarted worker
+    has none: the next step rebuilds the policy and loads its version's adapter and optimizer state
+    from the store."""
+    global _STATE
+    with _LOCK:
+        if _STATE is not None:
+            _STATE.teardown_group()
+            _STATE = None
+    gc.collect()
+    return True
+
+
 def teardown() -> bool:
     """Drop this process's process group (and DDP wrapper); keeps the policy warm."""
     with _LOCK:
