@@ -7,7 +7,8 @@ live inside them), or connects to an existing scheduler whose workers were start
 ``--resources rollout=1`` / ``--resources trainer=1`` (dask-jobqueue: ``worker_extra_args``;
 dask-kubernetes: the worker command's args).
 
-- Rollout, reward and eval are ordinary Dask tasks: rollout and eval need ``rollout=1``, so Dask
+- Rollout, reward and eval are ordinary Dask tasks: rollout and eval need ``rollout=1`` (reward
+  tasks need ``reward=1`` where workers advertise it, else none), so Dask
   places them on engine workers and re-runs them elsewhere if a worker dies (Dask's own
   recomputation of lost tasks, plus ``retries`` for raised errors). The engine is worker-resident
   (:class:`EnginePlugin`): built on first use, then reused; only adapters are fetched per version.
@@ -29,16 +30,16 @@ from distributed import Client, Nanny, WorkerPlugin, get_worker, wait
 
 from .adapters import AdapterStore
 from .config import Config
-from .data import Problem
+from .data import DEFAULT_INSTRUCTION, Problem
 from .prompts import PromptFormat
-from .reward import gsm8k_reward
+from .tasks import Scorer
 from .trainer import RankSpec, teardown, train_rank, warm
 
 log = logging.getLogger(__name__)
 
 ENGINE_PLUGIN = "grpo-kit-engine"
 THREADS_PLUGIN = "grpo-kit-threads"
-ROLLOUT, TRAINER = "rollout", "trainer"
+ROLLOUT, TRAINER, REWARD = "rollout", "trainer", "reward"
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -49,6 +50,7 @@ def connect(
     *,
     n_rollout_workers: int = 1,
     n_trainer_workers: int = 1,
+    n_reward_workers: int = 0,
     threads_per_worker: int = 1,
     pin_cpus: bool = False,
     security=None,
@@ -57,7 +59,8 @@ def connect(
     """A Dask client: to ``address`` if given, else to a new ``LocalCluster`` on 127.0.0.1.
 
     The local cluster has ``n_rollout_workers`` workers with ``rollout=1`` and
-    ``n_trainer_workers`` with ``trainer=1``, each a non-daemonic process with
+    ``n_trainer_workers`` with ``trainer=1`` (and ``n_reward_workers`` with ``reward=1``: scoring
+    apart from generation), each a non-daemonic process with
     ``threads_per_worker`` torch/OpenMP threads. ``pin_cpus`` gives each worker its own cores
     (round-robin over this process's CPUs), as a GPU cluster gives roles disjoint devices.
     ``security`` (a ``distributed.Security``) is passed through for TLS clusters.
@@ -81,7 +84,8 @@ def connect(
         dashboard_address="127.0.0.1:0",
         silence_logs=logging.ERROR,
     )
-    roles = [(ROLLOUT, i) for i in range(n_rollout_workers)] + [(TRAINER, i) for i in range(n_trainer_workers)]
+    roles = ([(ROLLOUT, i) for i in range(n_rollout_workers)] + [(TRAINER, i) for i in range(n_trainer_workers)]
+             + [(REWARD, i) for i in range(n_reward_workers)])
     for k, (role, i) in enumerate(roles):
         mine = [cpus[(k * threads_per_worker + j) % len(cpus)] for j in range(threads_per_worker)] if pin_cpus else cpus
         env = {
@@ -110,7 +114,9 @@ def connect(
     client.wait_for_workers(len(roles), timeout=120)
     client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)
     if not quiet:
-        print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer workers; dashboard: {client.dashboard_link}")
+        extra = f" + {n_reward_workers} reward" if n_reward_workers else ""
+        print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer{extra} workers; "
+              f"dashboard: {client.dashboard_link}")
     return client
 
 
@@ -234,9 +240,11 @@ def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
 
 
 def register_engines(client: Client, cfg: Config, model_path: str, store_root: str | None = None,
-                     storage_options: dict | None = None) -> None:
-    """Register the run's engine on every rollout worker (built there on first use)."""
-    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len, "prompt_format": prompt_format(cfg),
+                     storage_options: dict | None = None, instruction: str = DEFAULT_INSTRUCTION) -> None:
+    """Register the run's engine on every rollout worker (built there on first use). ``instruction``
+    is the task's answer-format instruction (``cfg.prompt.instruction`` overrides it)."""
+    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len,
+          "prompt_format": prompt_format(cfg, instruction),
           "stop": cfg.sampling.stop}
     if cfg.sampling.engine == "vllm":
         kw["max_lora_rank"] = cfg.lora.lora_r  # the engine rounds it up to a rank vLLM accepts
@@ -316,33 +324,37 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
     return dict(zip(futures, client.gather(list(futures.values())), strict=True))
 
 
-def prompt_format(cfg: Config) -> PromptFormat:
+def prompt_format(cfg: Config, instruction: str = DEFAULT_INSTRUCTION) -> PromptFormat:
+    """The run's prompt format; ``instruction`` is the task's, used unless ``cfg.prompt.instruction`` is set."""
     p = cfg.prompt
-    return PromptFormat(instruction=p.instruction, system_prompt=p.system_prompt, chat_template=p.chat_template)
+    return PromptFormat(instruction=instruction if p.instruction is None else p.instruction,
+                        system_prompt=p.system_prompt, chat_template=p.chat_template)
 
 
-def reward_kwargs(cfg: Config) -> dict:
-    """Keyword arguments of :func:`~grpo_kit.reward.gsm8k_reward` for the run's reward settings."""
-    r = cfg.reward
-    return {"format_bonus": r.format_bonus, "lenient": r.lenient_credit > 0, "lenient_credit": r.lenient_credit}
-
-
-def reward_task(result: dict, reward_kw: dict | None = None) -> dict:
-    """Score rollouts as soon as they complete (pure function of the texts)."""
-    for r in result["rollouts"]:
-        res = gsm8k_reward(r["text"], r["gold"], **(reward_kw or {}))
-        r["reward"], r["reward_reason"] = res.score, res.reason
-        r["correct"], r["lenient_correct"] = res.correct, res.lenient_correct
+def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: Scorer) -> dict:
+    """Score rollouts as soon as they complete, with the task's reward functions (``scorer``).
+    A reward function that fails scores 0 with its reason (``reward_errors`` counts it)."""
+    t0 = time.time()
+    probs = [Problem(**p) for p in problems]
+    rows = result["rollouts"]
+    scores = scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows])
+    for r, sc in zip(rows, scores, strict=True):
+        r["reward"], r["reward_reason"] = sc.reward, sc.reason
+        r["correct"], r["lenient_correct"] = sc.correct, sc.lenient_correct
+        r["reward_components"], r["reward_errors"] = sc.components, sc.errors
+    result["reward_start"], result["reward_end"] = t0, time.time()
+    result["reward_worker"] = get_worker().address
     return result
 
 
-def eval_task(problems: list[dict], version: int, max_new_tokens: int) -> dict:
-    """Greedy held-out accuracy of adapter ``version`` (0 = the base model): strict (``acc``: the
-    ``####`` form and the right value) and lenient (``lenient_acc``: the right value by any rule)."""
+def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: Scorer) -> dict:
+    """Greedy held-out accuracy of adapter ``version`` (0 = the base model) by the task's rule:
+    strict (``acc``; for the arithmetic tasks the ``####`` form and the right value) and lenient
+    (``lenient_acc``; there, the right value by any rule)."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
-    results = [gsm8k_reward(r.text, p.gold) for r, p in zip(outs, probs, strict=True)]
+    results = scorer.score_problems(probs, [r.text for r in outs])
     correct = [res.correct for res in results]
     return {
         "version": version,
@@ -350,13 +362,14 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int) -> dict:
         "lenient_acc": sum(res.lenient_correct for res in results) / max(1, len(results)),
         "n": len(correct),
         "truncated": sum(r.truncated for r in outs),
+        "reward_errors": sum(res.errors for res in results),
         "start": t0,
         "end": time.time(),
     }
 
 
 def problem_dict(p: Problem) -> dict:
-    return {"id": p.id, "question": p.question, "gold": p.gold, "solution": None}
+    return {"id": p.id, "question": p.question, "gold": p.gold, "solution": None, "columns": dict(p.columns)}
 
 
 # ----------------------------------------------------------------------------- the trainer gang

@@ -12,8 +12,6 @@ import dataclasses
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .data import DEFAULT_INSTRUCTION
-
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 OLD_LOGP_SOURCES = ("engine", "trainer")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -22,7 +20,7 @@ ENGINES = ("vllm", "hf")
 LORA_MODES = ("auto", "request", "merged")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
-TUPLE_FIELDS = ("lora_targets", "stop")
+TUPLE_FIELDS = ("lora_targets", "stop", "reward_functions", "reward_weights")
 STALENESS_POLICIES = ("pace", "discard")
 
 
@@ -59,18 +57,36 @@ class DataConfig:
     """Held-out questions used for greedy evaluation (a fixed set)."""
     train_size: int = 20000
     """Training questions drawn (synthetic) or the cap on rows read (GSM8K)."""
+    task: str = "auto"
+    """What is trained on and how it is scored: ``"synthetic"``, ``"gsm8k"``, ``"math"`` (math-verify),
+    ``"code"`` (HumanEval in a sandbox) or ``"package.module:factory"`` (see :mod:`grpo_kit.tasks`);
+    ``"auto"`` is ``"synthetic"`` for ``dataset="synthetic"``, else ``"gsm8k"``. A
+    :class:`~grpo_kit.tasks.Task` object passed to ``loop.run(task=...)`` takes precedence."""
+    task_options: dict = field(default_factory=dict)
+    """Keyword options for the task's factory (e.g. ``{"source": "path/to/rows.jsonl"}`` for
+    ``"math"``); they override those the config supplies (``n_digits``, ``dataset``, the reward fields)."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.n_digits <= 6, f"n_digits must be in 1..6, got {self.n_digits}")
         _check(2 <= self.n_terms <= 4, f"n_terms must be in 2..4, got {self.n_terms}")
         _check(self.eval_size >= 1, f"eval_size must be >= 1, got {self.eval_size}")
         _check(self.train_size >= 1, f"train_size must be >= 1, got {self.train_size}")
+        _check(bool(self.task), "task must be 'auto', a built-in task name or 'package.module:factory'")
+        _check(isinstance(self.task_options, dict), f"task_options must be a dict, got {type(self.task_options).__name__}")
+
+    @property
+    def task_name(self) -> str:
+        """The task ``task="auto"`` stands for."""
+        if self.task != "auto":
+            return self.task
+        return "synthetic" if self.dataset == "synthetic" else "gsm8k"
 
 
 @dataclass(frozen=True)
 class PromptConfig:
-    instruction: str = DEFAULT_INSTRUCTION
-    """The answer-format instruction after each question (both prompt styles)."""
+    instruction: str | None = None
+    """The answer-format instruction after each question (both prompt styles); None uses the task's
+    own (``"Give the final answer as '#### <integer>'."`` for the arithmetic tasks)."""
     system_prompt: str | None = None
     """System message for chat templates; None keeps the template's own default."""
     chat_template: str = "auto"
@@ -80,7 +96,7 @@ class PromptConfig:
     def __post_init__(self) -> None:
         _check(self.chat_template in CHAT_TEMPLATE_MODES,
                f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
-        _check(bool(self.instruction.strip()) or self.system_prompt is not None,
+        _check(self.instruction is None or bool(self.instruction.strip()) or self.system_prompt is not None,
                "instruction is empty: say how the answer must be written (e.g. \"Give the final answer as '#### <integer>'.\")")
 
 
@@ -92,10 +108,21 @@ class RewardConfig:
     lenient_credit: float = 0.0
     """Score of a right answer read without the ``####`` marker (``\\boxed{}``, or the last number);
     0 scores only the strict form. A strictly right answer scores 1."""
+    reward_functions: tuple[str, ...] = ()
+    """More reward functions by import path (``"package.module:fn"``, TRL's signature), added after
+    the task's own; each is a component recorded and plotted per iteration."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per reward component (the task's, then ``reward_functions``); empty: the task's
+    weights and 1 for each added function."""
+    reward_timeout_s: float = 60.0
+    """Bound on one reward function's call for one batch; past it that batch scores 0 for it, with the reason."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.format_bonus <= 1, f"format_bonus must be in [0, 1], got {self.format_bonus}")
         _check(0 <= self.lenient_credit <= 1, f"lenient_credit must be in [0, 1], got {self.lenient_credit}")
+        for f in self.reward_functions:
+            _check(isinstance(f, str) and f.count(":") == 1, f"reward_functions entries must be 'package.module:fn', got {f!r}")
+        _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
 
 
 @dataclass(frozen=True)
@@ -255,6 +282,10 @@ class ClusterConfig:
     """Bound on the trainer gang's rendezvous and every collective (a dead rank fails the step)."""
     max_restarts: int = 2
     """Times the trainer gang is re-formed after a failure before the run fails."""
+    n_reward_workers: int = 0
+    """LocalCluster only: workers with the ``reward`` resource, so that heavy scoring (code execution)
+    scales apart from generation. Wherever workers advertise ``reward``, scoring runs on them; else
+    next to generation."""
 
     def __post_init__(self) -> None:
         _check(self.n_rollout_workers >= 1, f"n_rollout_workers must be >= 1, got {self.n_rollout_workers}")
@@ -262,6 +293,7 @@ class ClusterConfig:
         _check(self.threads_per_worker >= 1, f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
         _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         _check(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
+        _check(self.n_reward_workers >= 0, f"n_reward_workers must be >= 0, got {self.n_reward_workers}")
 
 
 @dataclass(frozen=True)

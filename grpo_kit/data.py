@@ -23,7 +23,7 @@ import json
 import random
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_INSTRUCTION = "Give the final answer as '#### <integer>'."
@@ -43,7 +43,10 @@ class Problem:
     gold: str
     """The gold answer as a plain number string (commas removed)."""
     solution: str | None = None
-    """A reference solution ending in ``#### <gold>``, when known."""
+    """A reference solution (GSM8K's ends in ``#### <gold>``), when known."""
+    columns: dict = field(default_factory=dict, hash=False)
+    """The row's other columns (a code problem's ``test`` and ``entry_point``, ...): passed to the
+    task's reward functions by name, TRL-style. JSON-serializable values only."""
 
     @property
     def prompt(self) -> str:

@@ -32,12 +32,13 @@ from pathlib import Path
 import torch
 
 from . import cluster as cl
+from . import tasks
 from .adapters import AdapterStore
 from .config import Config
-from .data import load_problems
 from .loss import group_advantages
 from .models import resolve_model
 from .rollout import Rollout
+from .tasks import Task
 from .trainer import RankSpec
 
 RUN_STATE = "run"
@@ -108,6 +109,7 @@ def run(
     resume: bool = False,
     storage_options: dict | None = None,
     progress: bool = True,
+    task: Task | None = None,
 ) -> RunResult:
     """Run ``cfg.run.iterations`` GRPO iterations on a Dask cluster; returns records and summary.
 
@@ -115,6 +117,8 @@ def run(
     or starts a LocalCluster sized by ``cfg.cluster``, and closes it at the end). ``store``: the
     adapter store (default ``AdapterStore(cfg.run.store_root, storage_options)``); trainers and
     engines open the same root with the same options. ``callbacks`` are called with every record.
+    ``task``: a :class:`~grpo_kit.tasks.Task` (e.g. rows and reward functions from a notebook cell);
+    None uses the one ``cfg.data.task`` names.
     One run at a time per cluster: a run registers its engines on every rollout worker.
     """
     from tqdm.auto import tqdm
@@ -124,18 +128,22 @@ def run(
     store = store or AdapterStore(cfg.run.store_root, storage_options)
     storage_options = store.storage_options
     model_path = resolve_model(cfg.model.model, progress=progress)  # before any cluster: a bad name fails at once
+    task = tasks.for_config(cfg, task)  # so do a bad task, dataset or column
+    train_pool = task.load("train", cfg.data.train_size, cfg.run.seed)
+    heldout = task.load("heldout", cfg.data.eval_size, 0)
     own_client = client is None
     if own_client:
         client = cl.connect(
             cfg.cluster.scheduler_address,
             n_rollout_workers=cfg.cluster.n_rollout_workers,
             n_trainer_workers=cfg.cluster.world_size,
+            n_reward_workers=cfg.cluster.n_reward_workers,
             threads_per_worker=cfg.cluster.threads_per_worker,
             quiet=not progress,
         )
     metrics_path = run_dir / "metrics.jsonl"
     samples_path = run_dir / "samples.jsonl"
-    run_id = _run_id(cfg, store.root)
+    run_id = _run_id(cfg, store.root, task)
     gang = None
 
     try:
@@ -157,9 +165,9 @@ def run(
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
         for p in (samples_path, run_dir / "rollouts.jsonl"):  # drop lines of unfinished iterations
             trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
 
-        cl.register_engines(client, cfg, model_path, store.root, storage_options)
+        cl.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec(
             run_id=run_id, model_path=model_path, store_root=store.root, storage_options=storage_options,
@@ -169,12 +177,9 @@ def run(
         )
         gang = cl.TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
 
-        d = cfg.data
-        train_pool = load_problems(d.dataset, "train", d.train_size, seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms)
-        heldout = load_problems(d.dataset, "heldout", d.eval_size, seed=0, n_digits=d.n_digits, n_terms=d.n_terms)
         heldout_d = [cl.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
-                         list(callbacks), records)
+                         list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s))
         # engines and policies are built before the first iteration's clock starts
         t_warm = time.time()
         if progress:
@@ -194,9 +199,9 @@ def run(
                 cluster.close()
 
 
-def _run_id(cfg: Config, store_root: str) -> str:
+def _run_id(cfg: Config, store_root: str, task: Task) -> str:
     """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
-    d = cfg.to_dict()
+    d = {**cfg.to_dict(), "task": task.describe()}
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every")}
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
@@ -231,7 +236,8 @@ def _reconcile(state: dict, store: AdapterStore) -> dict:
 
 
 class _Driver:
-    def __init__(self, cfg, client, store, gang, train_pool, heldout, state, metrics_path, samples_path, callbacks, records):
+    def __init__(self, cfg, client, store, gang, train_pool, heldout, state, metrics_path, samples_path, callbacks, records,
+                 scorer):
         self.cfg, self.client, self.store, self.gang = cfg, client, store, gang
         self.train_pool, self.heldout = train_pool, heldout
         self.state, self.metrics_path, self.samples_path = state, metrics_path, samples_path
@@ -245,7 +251,9 @@ class _Driver:
         s = cfg.sampling
         self.depth = cfg.run.depth
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
-        self.reward_kw = cl.reward_kwargs(cfg)
+        self.scorer = scorer
+        # scoring runs on workers with the reward resource where there are any, else anywhere
+        self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
 
     # ------------------------------------------------------------------ submission
     def problems_for(self, iteration: int):
@@ -277,12 +285,12 @@ class _Driver:
                 _seed(self.cfg.run.seed, iteration), c, iteration,
                 key=key, resources={cl.ROLLOUT: 1}, retries=2,
             )
-            futures.append(self.client.submit(cl.reward_task, gen, self.reward_kw, key=f"{self.key}-reward-{iteration}-{c}",
-                                              retries=2))
+            futures.append(self.client.submit(cl.reward_task, gen, chunk, c, self.scorer, key=f"{self.key}-reward-{iteration}-{c}",
+                                              resources=self.reward_resources, retries=2))
         self.pending[iteration] = _Pending(version, futures)
 
     def submit_eval(self, iteration: int, version: int) -> None:
-        fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens,
+        fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
                                  key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
                                  priority=-10)  # generation goes first when both wait for an engine
         self.evals.append((iteration, fut))
@@ -375,6 +383,10 @@ class _Driver:
             "reward_std": float(torch.tensor([r.reward for r in rollouts]).std()) if n_rollouts > 1 else None,
             "train_acc": sum(bool(r.correct) for r in rollouts) / max(1, n_rollouts),
             "train_lenient_acc": sum(bool(r.lenient_correct) for r in rollouts) / max(1, n_rollouts),
+            "reward_components": _component_means(rollouts),
+            "reward_errors": sum(r.reward_errors for r in rollouts),
+            "reward_s": sum(res["reward_end"] - res["reward_start"] for res in results),
+            "reward_workers": len({res["reward_worker"] for res in results}),
             "eval_acc": None,
             "eval_lenient_acc": None,
             "base_acc": self.state["base_acc"],
@@ -499,6 +511,15 @@ class _Driver:
         }
         (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def _component_means(rollouts: list[Rollout]) -> dict:
+    """Mean score of each reward component over the batch (completions where it applied)."""
+    out: dict = {}
+    for name in (rollouts[0].reward_components or {}) if rollouts else ():
+        vals = [r.reward_components[name] for r in rollouts if r.reward_components and r.reward_components.get(name) is not None]
+        out[name] = sum(vals) / len(vals) if vals else None
+    return out
 
 
 def _finite(x):

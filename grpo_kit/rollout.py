@@ -66,6 +66,10 @@ class Rollout:
     """The answer is right by the reward's strict rule (format and value)."""
     lenient_correct: bool | None = None
     """The answer is right by any rule the reward knows (e.g. the last number in the text)."""
+    reward_components: dict | None = None
+    """Each reward function's score (by component name; None where it did not apply or failed)."""
+    reward_errors: int = 0
+    """Reward functions that raised, timed out or returned garbage for this completion (scored 0)."""
     iteration: int | None = None
     """Training iteration the rollout was generated for (set by the loop)."""
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -68,11 +69,12 @@ def test_configs_are_frozen_and_documented():
         c.sampling.group_size = 3  # type: ignore[misc]
     import inspect
 
-    for cls in (config.ModelConfig, config.DataConfig, config.SamplingConfig, config.LossConfig, config.OptimConfig,
-                config.LoRAConfig, config.ClusterConfig, config.RunConfig):
+    for cls in (config.ModelConfig, config.DataConfig, config.PromptConfig, config.RewardConfig, config.SamplingConfig,
+                config.LossConfig, config.OptimConfig, config.LoRAConfig, config.ClusterConfig, config.RunConfig):
         src = inspect.getsource(cls)
         for f in dataclasses.fields(cls):
-            assert f'{f.name}:' in src and '"""' in src.split(f"{f.name}:", 1)[1].split("\n", 2)[1], f"{cls.__name__}.{f.name} has no docstring"
+            # the field's line, then a docstring on the next line
+            assert re.search(rf'^    {f.name}: .*\n\s+(r?""")', src, re.M), f"{cls.__name__}.{f.name} has no docstring"
 
 
 def test_store_root_derived():

@@ -1,0 +1,222 @@
+"""The task contract: problems to train and evaluate on, and the rewards that score completions.
+
+A :class:`Task` is a name, a way to draw problems (:class:`~grpo_kit.data.Problem` rows) for the
+``"train"`` and ``"heldout"`` splits, the answer-format instruction its prompts end with, and one or
+more reward functions with weights. Reward functions use TRL's signature::
+
+    def reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+
+``prompts`` are the questions, ``completions`` the sampled texts (stop strings and EOS removed), and
+``columns`` holds ``gold`` plus every column of the problems' ``columns`` dict, each as a list
+aligned with ``completions`` (functions should accept ``**kwargs`` for the columns they ignore). A
+function may return :class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a
+parsed value, a reason and its own correctness rule. ``None`` means "does not apply" and counts 0.
+
+The reward of a completion is the weighted sum of its components. Accuracy (training and held-out)
+reads the first reward: its ``RewardResult.correct`` (and ``lenient_correct``) where it returns
+those, else ``score >= correct_at``. :class:`Scorer` applies all of this on a Dask worker, and never
+lets one bad function stop the run (see :meth:`Scorer.score`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..data import Problem
+from ..reward import RewardResult
+
+RewardFn = Callable[..., Sequence[Any]]
+"""``reward(prompts, completions, **columns) -> list[float | RewardResult | None]`` (TRL's signature)."""
+
+SPLITS = ("train", "heldout")
+
+
+def reward_name(fn: Callable) -> str:
+    """A reward function's name as recorded in the run (``module:qualname``; ``__main__`` for a
+    function defined in a notebook cell)."""
+    if isinstance(fn, functools.partial):
+        return reward_name(fn.func)
+    return f"{getattr(fn, '__module__', None) or '?'}:{getattr(fn, '__qualname__', None) or type(fn).__name__}"
+
+
+@dataclass
+class Task:
+    """A dataset and how completions on it are scored (see the module docstring)."""
+
+    name: str
+    """Recorded in the run's ``config.json`` and records."""
+    problems: Callable[[str, int, int], Sequence[Problem]]
+    """``(split, n, seed) -> problems``; ``split`` is ``"train"`` or ``"heldout"``; ``n`` caps the count."""
+    rewards: Sequence[RewardFn]
+    """Reward functions (TRL's signature); the first one defines accuracy."""
+    weights: Sequence[float] | None = None
+    """One weight per reward function; None weighs each 1."""
+    instruction: str = ""
+    """The answer-format instruction after each question (``PromptConfig.instruction`` overrides it)."""
+    correct_at: float = 1.0
+    """A first reward that returns plain floats counts a completion correct when its score is at least this."""
+    names: Sequence[str] | None = None
+    """Component names for the records and plots; None uses the functions' ``__name__``."""
+
+    def __post_init__(self) -> None:
+        if not self.rewards:
+            raise ValueError(f"task {self.name!r} has no reward function")
+        for fn in self.rewards:
+            if not callable(fn):
+                raise TypeError(f"task {self.name!r}: reward {fn!r} is not callable")
+        if self.weights is not None and len(self.weights) != len(self.rewards):
+            raise ValueError(f"task {self.name!r}: {len(self.weights)} weights for {len(self.rewards)} reward functions")
+        if self.names is not None and len(self.names) != len(self.rewards):
+            raise ValueError(f"task {self.name!r}: {len(self.names)} names for {len(self.rewards)} reward functions")
+
+    def load(self, split: str, n: int, seed: int = 0) -> list[Problem]:
+        """The split's problems, checked: a task that returns none (or not ``Problem`` rows) raises."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        out = list(self.problems(split, n, seed))
+        if not out:
+            raise ValueError(f"task {self.name!r} has no {split} problems")
+        bad = [p for p in out[:5] if not isinstance(p, Problem)]
+        if bad:
+            raise TypeError(f"task {self.name!r}: problems must be grpo_kit.data.Problem, got {type(bad[0]).__name__}")
+        return out[:n]
+
+    def scorer(self, timeout_s: float = 60.0) -> Scorer:
+        names = list(self.names) if self.names is not None else [getattr(f, "__name__", f"reward{i}") for i, f in enumerate(self.rewards)]
+        if len(set(names)) != len(names):
+            names = [f"{n}_{i}" for i, n in enumerate(names)]
+        weights = list(self.weights) if self.weights is not None else [1.0] * len(self.rewards)
+        return Scorer(list(self.rewards), weights, names, self.correct_at, timeout_s)
+
+    def describe(self) -> dict:
+        """What ``config.json`` records about the task."""
+        sc = self.scorer()
+        return {"name": self.name, "rewards": [reward_name(f) for f in self.rewards], "components": sc.names,
+                "weights": sc.weights, "instruction": self.instruction, "correct_at": self.correct_at}
+
+
+@dataclass(frozen=True)
+class Score:
+    """One completion's reward and what it is made of."""
+
+    reward: float
+    """The weighted sum of the components (0 where a component failed)."""
+    components: dict
+    """Component name -> its score (None where it did not apply or failed)."""
+    reason: str
+    """The first reward's reason, or why a component failed."""
+    correct: bool
+    lenient_correct: bool
+    errors: int = 0
+    """Components that raised, timed out or returned something that is not a score."""
+
+
+@dataclass
+class Scorer:
+    """Applies a task's rewards to a batch, on whichever worker runs it (it pickles with cloudpickle,
+    so functions defined in a notebook cell travel too)."""
+
+    rewards: list
+    weights: list
+    names: list
+    correct_at: float = 1.0
+    timeout_s: float = 60.0
+    """Bound on one reward function's call for one batch. A function that runs past it scores the
+    batch 0 with reason "timed out"; its thread cannot be killed and is left to finish (rewards that
+    can hang, like code execution, bound themselves at process level: see :mod:`grpo_kit.sandbox`)."""
+    _pool: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_pool"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._pool = None
+
+    def _call(self, fn, prompts, completions, columns):
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        fut = self._pool.submit(fn, list(prompts), list(completions), **columns)
+        try:
+            return fut.result(timeout=self.timeout_s), None
+        except concurrent.futures.TimeoutError:
+            self._pool.shutdown(wait=False)  # the hung thread keeps one pool; the next call gets a new one
+            self._pool = None
+            return None, f"timed out after {self.timeout_s:g} s"
+        except Exception as e:  # a user's reward function: any error is this batch's failure, recorded
+            return None, f"raised {type(e).__name__}: {e}"[:300]
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str], columns: dict[str, list]) -> list[Score]:
+        """Score a batch. A function that raises, hangs, returns the wrong number of items or an item
+        that is neither a finite number, a ``RewardResult`` nor None scores those completions 0 for
+        that component, with the reason, and counts as an error; the other components still count."""
+        n = len(completions)
+        comps: list[list[float | None]] = []
+        firsts: list[RewardResult | None] = [None] * n
+        reasons: list[str | None] = [None] * n
+        errors = [0] * n
+        for k, fn in enumerate(self.rewards):
+            out, err = self._call(fn, prompts, completions, columns)
+            if err is None and (not isinstance(out, Sequence) or isinstance(out, str | bytes) or len(out) != n):
+                err = f"returned {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, Sequence) else "") + f", expected a list of {n}"
+            vals: list[float | None] = []
+            for i in range(n):
+                v, why = (None, err) if err else _value(out[i])
+                if why:
+                    errors[i] += 1
+                    reasons[i] = reasons[i] or f"{self.names[k]}: {why}"
+                if k == 0 and err is None and isinstance(out[i], RewardResult):
+                    firsts[i] = out[i]
+                vals.append(v)
+            comps.append(vals)
+        scores = []
+        for i in range(n):
+            total = sum(w * (c[i] or 0.0) for w, c in zip(self.weights, comps, strict=True))
+            first = firsts[i]
+            if first is not None:
+                ok, lenient, reason = first.correct, first.lenient_correct, first.reason
+            else:
+                v0 = comps[0][i]
+                ok = lenient = v0 is not None and v0 >= self.correct_at
+                reason = f"{self.names[0]}={v0:g}" if v0 is not None else f"{self.names[0]} did not apply"
+            scores.append(Score(float(total), {nm: c[i] for nm, c in zip(self.names, comps, strict=True)},
+                                reasons[i] or reason, bool(ok), bool(lenient), errors[i]))
+        return scores
+
+    def score_problems(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Score]:
+        """:meth:`score` with the prompts and columns taken from the problems (one per completion)."""
+        return self.score([p.question for p in problems], completions, problem_columns(problems))
+
+
+def problem_columns(problems: Sequence[Problem]) -> dict[str, list]:
+    """``gold`` and every extra column, each a list aligned with ``problems`` (a column a problem
+    lacks is None there)."""
+    keys = sorted({k for p in problems for k in p.columns})
+    cols = {"gold": [p.gold for p in problems]}
+    for k in keys:
+        if k in ("gold", "prompts", "completions"):
+            raise ValueError(f"problem column {k!r} clashes with a reward argument; rename it")
+        cols[k] = [p.columns.get(k) for p in problems]
+    return cols
+
+
+def _value(x) -> tuple[float | None, str | None]:
+    if x is None:
+        return None, None
+    if isinstance(x, RewardResult):
+        x = x.score
+    if isinstance(x, str | bytes) or not hasattr(x, "__float__"):
+        return None, f"returned {type(x).__name__} {x!r:.40}, not a number"
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None, f"returned {x!r:.40}, not a number"
+    if not math.isfinite(v):
+        return None, f"returned {v}, not a finite number"
+    return v, None
+

@@ -1,0 +1,117 @@
+"""Your own task from rows: a list of dicts, a ``datasets.Dataset``, a local JSONL/JSON/parquet/CSV
+file or a hub id, with an explicit column mapping and TRL-style reward functions."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..data import Problem
+from .base import RewardFn, Task
+
+_FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_rows(source: Any, split: str = "train") -> list[dict]:
+    """Rows as dicts from a list of dicts, a ``datasets.Dataset``, a file path or a hub id."""
+    if isinstance(source, Mapping):
+        raise TypeError("rows must be a sequence of dicts, a datasets.Dataset, a file path or a hub id, not one dict")
+    if isinstance(source, str | Path):
+        import datasets
+
+        path = Path(source)
+        if path.exists():
+            kind = _FILE_KINDS.get(path.suffix)
+            if kind is None:
+                raise ValueError(f"{path}: expected one of {sorted(_FILE_KINDS)}")
+            source = datasets.load_dataset(kind, data_files=str(path), split="train")
+        elif "/" in str(source) and not str(source).startswith((".", "/")):
+            source = datasets.load_dataset(str(source), split=split)
+        else:
+            raise FileNotFoundError(f"{source!r} is neither an existing file nor a hub id ('owner/name')")
+    rows = [dict(r) for r in source]
+    if rows and not isinstance(rows[0], dict):
+        raise TypeError(f"rows must be dicts, got {type(rows[0]).__name__}")
+    return rows
+
+
+def _in_heldout(key: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def from_rows(
+    rows: Any,
+    rewards: Sequence[RewardFn] | RewardFn,
+    *,
+    name: str = "custom",
+    question: str = "question",
+    gold: str | None = "gold",
+    columns: Sequence[str] | None = None,
+    heldout: Any = None,
+    heldout_fraction: float = 0.1,
+    weights: Sequence[float] | None = None,
+    instruction: str = "",
+    correct_at: float = 1.0,
+    split: str = "train",
+) -> Task:
+    """A :class:`~grpo_kit.tasks.Task` over your rows.
+
+    ``question`` and ``gold`` name the columns that hold the question and the gold answer (``gold=None``:
+    the rewards need none); reward functions get the gold answer as ``gold``. ``columns`` names the
+    columns passed to them by their own names (None: all but the question). Held-out problems are ``heldout`` (rows in any form ``rows`` takes), or else a
+    deterministic ``heldout_fraction`` of ``rows`` chosen by hashing each question.
+
+    >>> t = from_rows([{"q": "Say hi", "a": "hi"}], lambda prompts, completions, **kw: [1.0] * len(completions),
+    ...               question="q", gold="a", heldout_fraction=0)
+    >>> t.load("train", 5)[0].question, t.load("train", 5)[0].gold
+    ('Say hi', 'hi')
+    """
+    if callable(rewards):
+        rewards = [rewards]
+    if not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    train = _problems(load_rows(rows, split), name, "train", question, gold, columns)
+    if heldout is not None:
+        held = _problems(load_rows(heldout, "test"), name, "heldout", question, gold, columns)
+    else:
+        held = [p for p in train if _in_heldout(p.question, heldout_fraction)]
+        ids = {p.id for p in held}
+        train = [p for p in train if p.id not in ids]
+    if not train:
+        raise ValueError(f"task {name!r}: no training rows left (heldout_fraction={heldout_fraction})")
+
+    def problems(which: str, n: int, seed: int) -> list[Problem]:
+        if which == "heldout":
+            if not held:
+                raise ValueError(f"task {name!r} has no held-out rows: pass heldout= or heldout_fraction > 0")
+            return held[:n]
+        pool = list(train)
+        random.Random(seed).shuffle(pool)
+        return pool[:n]
+
+    return Task(name, problems, list(rewards), weights=weights, instruction=instruction, correct_at=correct_at)
+
+
+def _problems(rows: list[dict], name: str, split: str, question: str, gold: str | None,
+              columns: Sequence[str] | None) -> list[Problem]:
+    if not rows:
+        raise ValueError(f"task {name!r}: no {split} rows")
+    have = set(rows[0])
+    need = [c for c in (question, gold, *(columns or ())) if c is not None]
+    missing = [c for c in need if c not in have]
+    if missing:
+        raise KeyError(f"task {name!r} ({split} rows): no column {missing[0]!r}; the rows have {sorted(have)}")
+    # every other column by its own name, as TRL passes them (the gold column also as ``gold``)
+    extra = list(columns) if columns is not None else [c for c in rows[0] if c not in (question, "gold")]
+    out = []
+    for i, r in enumerate(rows):
+        q = r.get(question)
+        if not isinstance(q, str) or not q.strip():
+            raise ValueError(f"task {name!r} ({split} row {i}): column {question!r} must be a non-empty string, got {q!r:.60}")
+        out.append(Problem(id=f"{name}-{split}-{i}", question=q, gold="" if gold is None else str(r.get(gold)),
+                           columns={c: r.get(c) for c in extra}))
+    return out
