@@ -4,7 +4,8 @@
 # That machine has python3 with torch, transformers, peft, safetensors, tokenizers and pytest, but
 # no vLLM and no network, so this check uses the HF engine. Carry wheels for what it lacks (dask,
 # distributed, plotly, datasets and their needs) in .whl/ and the tiny model in .tiny/:
-#   here: pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl dask distributed ...
+#   here: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ... -d .whl \
+#         dask distributed tblib zict locket tornado partd setproctitle importlib_metadata lazy-importer dill
 #         cp -r ~/.cache/grpo_kit/tiny-* .tiny/
 # It prints: the CUDA test subset (NCCL world-size-1 DDP step, bf16 loss path, HF engine on CUDA),
 # then the tiny profile's pipelined loop on CUDA for a few iterations with its figures.
@@ -17,14 +18,17 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 if [ -d .tiny ]; then export GRPO_KIT_CACHE=$PWD/.tiny; fi
 nvidia-smi -L
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
-python3 - <<'PY'
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py
+# the loop starts worker processes (spawn), which re-import the main module: it must be a file
+cat > /tmp/gpu_check_loop.py <<'PY'
 import json, time
 from grpo_kit import config, loop
-cfg = config.profile("tiny", engine="hf", iterations=6, eval_every=3, eval_size=64, run_dir="/tmp/gpu-check-run")
-t0 = time.time()
-res = loop.run(cfg, progress=False)
-for r in res.records:
-    print({k: r.get(k) for k in ("iteration", "reward_mean", "ratio_mean", "clip_frac", "kl_mean", "gen_s", "train_s", "iter_s", "eval_acc")})
-print(json.dumps({**res.summary, "wall_s": time.time() - t0}))
+if __name__ == "__main__":
+    cfg = config.profile("tiny", engine="hf", iterations=6, eval_every=3, eval_size=64, run_dir="/tmp/gpu-check-run")
+    t0 = time.time()
+    res = loop.run(cfg, progress=False)
+    for r in res.records:
+        print({k: r.get(k) for k in ("iteration", "reward_mean", "ratio_mean", "clip_frac", "kl_mean", "gen_s", "train_s", "iter_s", "eval_acc")})
+    print(json.dumps({**res.summary, "wall_s": time.time() - t0}))
 PY
+python3 /tmp/gpu_check_loop.py
