@@ -330,6 +330,29 @@ def staleness_figure(records: Sequence[Record]) -> go.Figure:
     return fig
 
 
+def components_figure(records: Sequence[Record]) -> go.Figure:
+    """Each reward component's batch mean (the task's reward functions, unweighted) beside the
+    weighted total, and the completions a reward function failed on (raised, timed out, or returned
+    something that is not a score) as bars on the right axis."""
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    names: list[str] = []
+    for r in records:
+        for name in r.get("reward_components") or {}:
+            if name not in names:
+                names.append(name)
+    xs, ys = _series(records, "reward_errors")
+    fig.add_trace(go.Bar(x=xs, y=ys, name="reward errors", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True)
+    fig.add_trace(_line(records, "reward_mean", "total (weighted)", COLORS["reward"]), secondary_y=False)
+    for k, name in enumerate(names):
+        fig.add_trace(_line(records, lambda r, n=name: (r.get("reward_components") or {}).get(n), name,
+                            _C[(k + 2) % len(_C)], dash="dot"), secondary_y=False)
+    _style(fig, "Reward components", 380)
+    fig.update_xaxes(title_text="iteration")
+    fig.update_yaxes(title_text="batch mean", secondary_y=False)
+    fig.update_yaxes(title_text="completions with a failed reward", rangemode="tozero", secondary_y=True, showgrid=False)
+    return fig
+
+
 def _spans(records: Sequence[Record]) -> list[tuple[str, Any, float, float]]:
     """Well-formed spans ``(name, iteration, start, end)`` of all records, duplicates dropped."""
     seen, out = set(), []
@@ -416,6 +439,7 @@ FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
     "reward": reward_figure,
     "drift": drift_figure,
     "staleness": staleness_figure,
+    "rewards": components_figure,
     "timeline": timeline_figure,
     "timing": timing_figure,
 }

@@ -29,7 +29,7 @@ TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4
 HF = {**TINY, "engine": "hf"}
 SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
 NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color", "pin_cpus",
-                 "staleness_ks", "corrections"}
+                 "staleness_ks", "corrections", "n_rows", "brevity_weight"}
 """Parameters that are not config fields; every other parameter name must be one."""
 
 pytestmark = pytest.mark.timeout(900)
@@ -227,6 +227,25 @@ def test_sweep_notebook_runs_its_grid(tmp_path):
     assert len(outputs(nb, "application/vnd.plotly.v1+json")) == 1
 
 
+@pytest.mark.slow
+def test_custom_task_notebook_trains_on_a_dataset_and_rewards_defined_in_cells(tmp_path):
+    run_dir = tmp_path / "run"
+    nb = execute("06_custom_task.ipynb", tmp_path, **HF, n_rows=300, eval_every=2, brevity_weight=0.25,
+                 run_dir=str(run_dir))
+    assert not error_outputs(nb)
+    task = json.loads((run_dir / "config.json").read_text())["task"]
+    # the functions were defined in the notebook's kernel and reached the workers by cloudpickle
+    assert task["rewards"] == ["__main__:exact_answer", "__main__:brevity"] and task["weights"] == [1.0, 0.25]
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in recs] == list(range(TINY["iterations"]))
+    for r in recs:
+        comps = r["reward_components"]
+        assert set(comps) == {"exact_answer", "brevity"} and r["reward_errors"] == 0
+        assert r["reward_mean"] == pytest.approx(comps["exact_answer"] + 0.25 * comps["brevity"])
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(plots.FIGURES)
+    assert all(r["prompt_id"].startswith("sums-train-") for r in read_jsonl(run_dir / "rollouts.jsonl"))
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
@@ -238,6 +257,7 @@ def test_sweep_notebook_runs_its_grid(tmp_path):
         ("03_pipelining_study.ipynb", {"max_staleness": -1}, "ValueError", "max_staleness must be >= 0"),
         ("04_inspect_run.ipynb", {"run_dir": "/nonexistent/run"}, "FileNotFoundError", "holds no run"),
         ("05_sweep.ipynb", {"grid": {"group_size": [4, 1]}}, "ValueError", "group_size must be >= 2"),
+        ("06_custom_task.ipynb", {"lr": -1.0}, "ValueError", "lr must be > 0"),
     ],
 )
 def test_a_bad_parameter_stops_in_the_derived_values_cell(name, params, ename, message, tmp_path):

@@ -43,6 +43,8 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "version": i + 1,
                 "reward_mean": 0.2 + 0.05 * i,
                 "reward_std": 0.3 - 0.01 * i,
+                "reward_components": {"answer": 0.2 + 0.05 * i, "short": 1.0 if i % 2 else None},
+                "reward_errors": i % 3,
                 "train_acc": 0.15 + 0.05 * i,
                 "train_lenient_acc": 0.2 + 0.05 * i,
                 "eval_acc": 0.25 + 0.0625 * i if evaluated else None,
@@ -163,6 +165,7 @@ EXPECTED = {
     "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL", "weight capped",
               "weight min/max", "weight mean"},
     "staleness": {"staleness max", "staleness mean", "rejected groups"},
+    "rewards": {"total (weighted)", "reward errors"},  # plus one trace per component the records name
     "timeline": {"generate", "train", "publish", "eval"},
     "timing": {"iteration", "generate", "train", "generate + train"},
 }
@@ -170,10 +173,10 @@ EXPECTED = {
 
 def test_all_figures_have_stable_keys_and_expected_traces():
     figs = plots.all_figures(synthetic_records())
-    assert list(figs) == ["reward", "drift", "staleness", "timeline", "timing"]
+    assert list(figs) == ["reward", "drift", "staleness", "rewards", "timeline", "timing"]
     for key, fig in figs.items():
         assert isinstance(fig, go.Figure)
-        assert names(fig) == EXPECTED[key], key
+        assert names(fig) == EXPECTED[key] | ({"answer", "short"} if key == "rewards" else set()), key
         assert all(len(t.x) > 0 for t in fig.data), key  # every series has data in a complete run
 
 
@@ -190,6 +193,13 @@ def test_reward_figure_values():
     assert base.x == (0, 11) and base.y == (0.25, 0.25) and base.line.dash == "dash"
     band = trace(fig, "reward ± std")
     assert len(band.x) == 24 and band.fill == "toself"
+
+
+def test_components_figure_plots_each_reward_where_it_applied():
+    fig = plots.components_figure(synthetic_records(6))
+    assert trace(fig, "answer").y == pytest.approx([0.2 + 0.05 * i for i in range(6)])
+    assert trace(fig, "short").x == (1, 3, 5)  # None (did not apply) leaves a gap, not a zero
+    assert trace(fig, "reward errors").y == (0, 1, 2, 0, 1, 2) and trace(fig, "reward errors").yaxis == "y2"
 
 
 def test_evaluations_sit_at_the_step_that_made_their_version():
