@@ -57,7 +57,7 @@ def main() -> None:
     def prepare(version: int):
         """Put ``version`` in place as the kit does; returns the LoRARequest (None when merged or base)."""
         t = time.perf_counter()
-        lora = engine._lora(version)
+        lora = engine.lora_for(version)
         switch_s.append(time.perf_counter() - t)
         return lora
 

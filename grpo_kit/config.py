@@ -9,6 +9,7 @@ derived values are properties, never stored twice.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -464,7 +465,21 @@ def _profiles() -> dict[str, Config]:
     return {"tiny": tiny, "smol": smol, "smoke": smoke, "stress": stress}
 
 
-PROFILES = tuple(_profiles())
+def overrides_in(params: Mapping[str, Any], *, none_keeps: bool = False) -> dict[str, Any]:
+    """The config fields among ``params`` (a notebook's ``globals()``, papermill's parameters);
+    other names are left out. With ``none_keeps``, a None value keeps the profile's value.
+
+    >>> overrides_in({"lr": 1e-3, "run_dir": None, "plt": object()}, none_keeps=True)
+    {'lr': 0.001}
+    """
+    names = set(flat_field_names())
+    return {k: v for k, v in dict(params).items() if k in names and not (none_keeps and v is None)}
+
+
+def from_params(name: str, params: Mapping[str, Any], *, none_keeps: bool = False) -> Config:
+    """:func:`profile` ``name`` with the config fields among ``params`` applied (see :func:`overrides_in`):
+    a notebook's derived-values cell is ``cfg = config.from_params(profile, globals())``."""
+    return profile(name, **overrides_in(params, none_keeps=none_keeps))
 
 
 def profile(name: str = "tiny", **overrides: Any) -> Config:

@@ -19,7 +19,6 @@ does so only part of the time, so sampled groups disagree and GRPO has signal.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 from collections.abc import Iterator
@@ -248,8 +247,3 @@ def load_problems(dataset: str, split: str, n: int, *, seed: int = 0, n_digits: 
     gsm_split = "test" if split in ("heldout", "test") else "train"
     return list(load_gsm8k(dataset, gsm_split, limit=n))
 
-
-def write_jsonl(path: str | Path, rows) -> None:
-    with open(path, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")

@@ -454,7 +454,7 @@ def all_figures(records: Sequence[Record]) -> dict[str, go.Figure]:
 # ---------------------------------------------------------------- live plots
 
 
-def _notebook_frontend() -> bool:
+def notebook_frontend() -> bool:
     """True in an IPython kernel driven by a notebook UI that can show widgets.
 
     JupyterLab, Notebook 7 and VS Code send the cell id in each execute request's metadata;
@@ -571,7 +571,7 @@ class LivePlots:
         unknown = set(self.names) - set(FIGURES)
         if unknown:
             raise ValueError(f"unknown figure names {sorted(unknown)}; choose from {list(FIGURES)}")
-        frontend = _notebook_frontend()
+        frontend = notebook_frontend()
         self._figs: dict[str, go.Figure] | None = None
         self.widgets = False
         """Whether the held figures are ``FigureWidget`` s shown in a notebook frontend."""

@@ -1,4 +1,4 @@
-"""The offline embedded default: a tiny Qwen3-architecture model and a character tokenizer.
+"""The offline embedded default: a tiny Qwen3-architecture model and its own small BPE tokenizer.
 
 :func:`ensure_tiny_model` builds ``Qwen3ForCausalLM`` from scratch, pretrains it on the synthetic
 column-addition task (:mod:`grpo_kit.data`) with seeded, noisy demonstrations, and saves it with

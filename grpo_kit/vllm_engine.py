@@ -14,9 +14,8 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   repacks the CPU kernels' weights), then empties the prefix cache so no cached block of the
   previous policy is reused. It keeps a copy of the base checkpoint in host memory for that. Calls
   take a lock (one at a time, whatever the worker's thread count), so each samples from exactly the
-  version it names. On CPU vLLM's LoRA path is
-  the slow part: 8 prompts x 6 at 48 new tokens took 0.54 s with a LoRARequest against 0.25 s
-  merged (1 thread, tiny model), so ``"auto"`` means merged on CPU and request on GPU. Merging is
+  version it names. On CPU vLLM's LoRA path is the slow part (``bench/engines.py`` measures both
+  modes), so ``"auto"`` means merged on CPU and request on GPU. Merging is
   done in float32 and cast to the model dtype; the trainer computes the unmerged sum, so sampling
   and training log-probs differ by rounding (``bench/alignment.py`` measures both modes).
 - Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"``: the returned value is
@@ -227,7 +226,9 @@ class VLLMEngine:
         except OSError:  # no generation_config.json
             return None
 
-    def _lora(self, version: int):
+    def lora_for(self, version: int):
+        """Put adapter ``version`` in place for the next call: the LoRARequest to pass (request mode),
+        or None after loading the merged weights (merged mode) or for the base model (version 0)."""
         if self.lora_mode == "merged":
             self._load_merged(version)
             return None
@@ -315,7 +316,7 @@ class VLLMEngine:
         with self._lock:
             if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
                 torch.set_num_threads(self._cpu_threads)
-            lora = self._lora(version)
+            lora = self.lora_for(version)
             outs = self.llm.generate(
                 [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False
             )

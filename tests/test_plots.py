@@ -408,7 +408,7 @@ def test_notebook_frontend_is_told_from_papermill_in_a_real_kernel():
 
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT), startup_timeout=120)
     try:
-        code = "from grpo_kit.plots import _notebook_frontend; print(_notebook_frontend())"
+        code = "from grpo_kit.plots import notebook_frontend; print(notebook_frontend())"
         assert _execute(kc, code, {}).strip() == "False"  # what nbclient / papermill send
         assert _execute(kc, code, {"cellId": "abc", "recordTiming": False}).strip() == "True"  # JupyterLab
     finally:
