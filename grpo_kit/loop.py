@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from . import cluster as cl
+from . import preflight
 from .adapters import AdapterStore
 from .config import Config
 from .data import load_problems
@@ -168,6 +169,14 @@ def run(
             timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
         )
         gang = cl.TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
+        fabric = None
+        if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric
+            c = cfg.cluster
+            fabric = preflight.run_preflight(client, gang.workers, preflight.parse_sizes(c.preflight_sizes),
+                                             min_busbw_gbps=c.preflight_min_busbw_gbps, on_slow=c.preflight_on_slow)
+            if progress:
+                print(f"preflight: all-reduce busbw peak {fabric.busbw_peak_gbps:.2f} GB/s ({fabric.backend}, "
+                      f"{fabric.world_size} ranks)", flush=True)
 
         d = cfg.data
         train_pool = load_problems(d.dataset, "train", d.train_size, seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms)
@@ -182,7 +191,7 @@ def run(
         driver.warm_up_s = cl.warm_up(client, gang, state["version"], driver.key)
         driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
-        summary = driver.finish()
+        summary = driver.finish(preflight=fabric.summary() if fabric else None)
         return RunResult(run_dir, driver.records, summary)
     finally:
         if gang is not None:
@@ -460,8 +469,8 @@ class _Driver:
                 f.write(json.dumps({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
                                     "gold": r.gold, "version": r.version}) + "\n")
 
-    def finish(self) -> dict:
-        """Final evaluation (blocking), summary.json."""
+    def finish(self, preflight: dict | None = None) -> dict:
+        """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""
         cfg = self.cfg
         for p in self.pending.values():
             self.client.cancel(p.futures)
@@ -496,6 +505,7 @@ class _Driver:
             "gang_restarts": self.gang.restarts,
             "startup_s": self.startup_s,
             "warm_up_s": self.warm_up_s,
+            "preflight": preflight,
         }
         (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

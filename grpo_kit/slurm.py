@@ -58,8 +58,9 @@ class RoleSLURMCluster(SLURMCluster):
         opts = dict(self.new_spec["options"], **job_kwargs)
         opts["worker_extra_args"] = [*(opts.get("worker_extra_args") or []), "--resources", f"{role}=1"]
         names = []
-        for i in range(n):
-            name = f"{role}-{sum(k.startswith(role + '-') for k in self.worker_spec)}"
+        first = sum(k.startswith(role + "-") for k in self.worker_spec)
+        for i in range(first, first + n):
+            name = f"{role}-{i}"
             self.worker_spec[name] = {"cls": self.job_cls, "options": {**opts, "job_name": f"grpo-{name}"}}
             names.append(name)
         self.scale(jobs=len(self.worker_spec))
