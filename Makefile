@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models test demo bench lint clean
+.PHONY: setup models test cluster-test demo bench lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -13,6 +13,13 @@ models: setup
 
 test: setup models
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the kit on real clusters: a single-node Slurm (brought up here: root, apt), separately started
+# dask scheduler/worker processes (plain and TLS), the pre-flight all-reduce sweep
+CLUSTER_TESTS := tests/test_slurm.py tests/test_separate_workers.py tests/test_preflight.py
+cluster-test: setup models
+	bash scripts/slurm.sh up
+	$(PY) -m pytest $(CLUSTER_TESTS) $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m grpo_kit.demo

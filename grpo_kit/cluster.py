@@ -375,7 +375,8 @@ def problem_dict(p: Problem) -> dict:
 # ----------------------------------------------------------------------------- the trainer gang
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous started right after)."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -460,7 +461,7 @@ class TrainerGang:
         self.gang_id += 1
         self.init_method = None
         if ws > 1:
-            port = self.client.run(_free_port, workers=[self.workers[0]])[self.workers[0]]
+            port = self.client.run(free_port, workers=[self.workers[0]])[self.workers[0]]
             host = self.workers[0].split("://")[-1].rsplit(":", 1)[0]
             self.init_method = f"tcp://{host}:{port}"
 

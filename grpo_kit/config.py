@@ -287,8 +287,19 @@ class ClusterConfig:
     """LocalCluster only: workers with the ``reward`` resource, so that heavy scoring (code execution)
     scales apart from generation. Wherever workers advertise ``reward``, scoring runs on them; else
     next to generation."""
+    preflight_sizes: str = "1K:256M"
+    """All-reduce sweep across the trainer ranks before the first iteration (``world_size > 1``):
+    message sizes ``LO:HI`` (powers of 4) or a comma list; ``""`` skips it. Recorded as
+    ``summary["preflight"]`` (see :mod:`grpo_kit.preflight`)."""
+    preflight_min_busbw_gbps: float = 0.0
+    """Floor on the sweep's peak all-reduce bus bandwidth, GB/s; 0 only measures."""
+    preflight_on_slow: str = "warn"
+    """Below the floor: ``"warn"`` and train, or ``"error"`` (the run fails before training)."""
 
     def __post_init__(self) -> None:
+        _check(self.preflight_on_slow in ("warn", "error"),
+               f"preflight_on_slow must be 'warn' or 'error', got {self.preflight_on_slow!r}")
+        _check(self.preflight_min_busbw_gbps >= 0, f"preflight_min_busbw_gbps must be >= 0, got {self.preflight_min_busbw_gbps}")
         _check(self.n_rollout_workers >= 1, f"n_rollout_workers must be >= 1, got {self.n_rollout_workers}")
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
         _check(self.threads_per_worker >= 1, f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
@@ -427,7 +438,7 @@ def flat_field_names() -> list[str]:
 
 
 def _profiles() -> dict[str, Config]:
-    tiny = Config()
+    tiny = Config(cluster=ClusterConfig(preflight_sizes="1K:1M"))  # a quick sweep (1 KiB..1 MiB) for runs of seconds
     smoke = Config(
         model=ModelConfig(model="Qwen/Qwen3-0.6B", dtype="bfloat16", max_model_len=1024),
         data=DataConfig(dataset="openai/gsm8k", eval_size=256, train_size=7473),

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import cluster as cl
-from . import tasks
+from . import preflight, tasks
 from .adapters import AdapterStore
 from .config import Config
 from .loss import group_advantages
@@ -176,6 +176,14 @@ def run(
             timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
         )
         gang = cl.TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
+        fabric = None
+        if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric
+            c = cfg.cluster
+            fabric = preflight.run_preflight(client, gang.workers, preflight.parse_sizes(c.preflight_sizes),
+                                             min_busbw_gbps=c.preflight_min_busbw_gbps, on_slow=c.preflight_on_slow)
+            if progress:
+                print(f"preflight: all-reduce busbw peak {fabric.busbw_peak_gbps:.2f} GB/s ({fabric.backend}, "
+                      f"{fabric.world_size} ranks)", flush=True)
 
         heldout_d = [cl.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
@@ -187,7 +195,7 @@ def run(
         driver.warm_up_s = cl.warm_up(client, gang, state["version"], driver.key)
         driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
-        summary = driver.finish()
+        summary = driver.finish(preflight=fabric.summary() if fabric else None)
         return RunResult(run_dir, driver.records, summary)
     finally:
         if gang is not None:
@@ -472,8 +480,8 @@ class _Driver:
                 f.write(json.dumps({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
                                     "gold": r.gold, "version": r.version}) + "\n")
 
-    def finish(self) -> dict:
-        """Final evaluation (blocking), summary.json."""
+    def finish(self, preflight: dict | None = None) -> dict:
+        """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""
         cfg = self.cfg
         for p in self.pending.values():
             self.client.cancel(p.futures)
@@ -508,6 +516,7 @@ class _Driver:
             "gang_restarts": self.gang.restarts,
             "startup_s": self.startup_s,
             "warm_up_s": self.warm_up_s,
+            "preflight": preflight,
         }
         (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary

@@ -81,3 +81,27 @@ def assert_aligned(d: torch.Tensor, min_tokens: int = 512, max_abs: float = 1e-3
     assert d.numel() >= min_tokens, f"only {d.numel()} tokens compared (< {min_tokens})"
     assert d.abs().max().item() <= max_abs, f"max |dlogp| = {d.abs().max().item():.2e}"
     assert abs(d.exp().mean().item() - 1) <= ratio_tol, f"ratio mean - 1 = {d.exp().mean().item() - 1:.2e}"
+
+
+def assert_run_exact(run_dir, cfg, store) -> None:
+    """Nothing lost or repeated in a finished run: ``metrics.jsonl`` holds iterations 0..N-1 once
+    each, ``rollouts.jsonl`` holds every group of every iteration exactly once (``group_size``
+    samples each), and the store holds versions 1..N, each the child of the one before."""
+    import json
+    from collections import Counter
+    from pathlib import Path
+
+    run_dir, n = Path(run_dir), cfg.run.iterations
+    its = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert its == list(range(n)), f"metrics.jsonl iterations {its}, want 0..{n - 1} once each"
+    by_iter: dict[int, Counter] = {}
+    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        by_iter.setdefault(r["iteration"], Counter())[(r["group_id"], r["sample_idx"])] += 1
+    assert sorted(by_iter) == list(range(n)), f"rollouts.jsonl iterations {sorted(by_iter)}"
+    want = {(g, i): 1 for g in range(cfg.sampling.prompts_per_step) for i in range(cfg.sampling.group_size)}
+    for it, counts in by_iter.items():
+        assert dict(counts) == want, f"iteration {it}: groups lost or duplicated"
+    vs = store.versions()
+    assert vs == list(range(1, n + 1)), f"store versions {vs}, want 1..{n}"
+    assert [store.manifest(v)["parent"] for v in vs] == list(range(n)), "adapter versions not a chain"

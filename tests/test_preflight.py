@@ -1,0 +1,70 @@
+"""The pre-flight all-reduce sweep on a real LocalCluster: two trainer worker processes, real gloo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_kit import cluster as cl
+from grpo_kit import config, loop, preflight
+from grpo_kit.adapters import AdapterStore
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = [1024, 64 << 10, 1 << 20]
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = cl.connect(n_rollout_workers=1, n_trainer_workers=2, quiet=True)
+    yield c
+    cluster = c.cluster
+    c.close()
+    cluster.close()
+
+
+def test_sweep_across_two_gloo_ranks(client):
+    res = preflight.run_preflight(client, sizes=SIZES)
+    assert res.world_size == 2 and res.backend == "gloo" and res.sizes == SIZES
+    assert res.workers == cl.workers_with(client, cl.TRAINER)
+    assert all(t > 0 for t in res.time_s)
+    for s, t, a, b in zip(res.sizes, res.time_s, res.algbw_gbps, res.busbw_gbps, strict=True):
+        assert a == pytest.approx(s / t / 1e9) and b == pytest.approx(a * 2 * (2 - 1) / 2)
+    assert res.ok and res.busbw_peak_gbps == max(res.busbw_gbps) > 0
+    # the ranks tore their group down: a second sweep forms a new one on the same workers
+    assert preflight.run_preflight(client, sizes=SIZES[:1]).world_size == 2
+
+
+def test_floor_warns_or_fails_clearly(client):
+    with pytest.warns(RuntimeWarning, match="below the floor"):
+        res = preflight.run_preflight(client, sizes=SIZES[:2], min_busbw_gbps=1e6)
+    assert not res.ok
+    with pytest.raises(preflight.FabricTooSlow, match=r"peaks at .* GB/s, below the floor of 1000000.0 GB/s"):
+        preflight.run_preflight(client, sizes=SIZES[:2], min_busbw_gbps=1e6, on_slow="error")
+
+
+def test_cli_against_a_scheduler_ends_with_a_json_line(client):
+    out = subprocess.run([sys.executable, "-m", "grpo_kit.preflight", "--scheduler", client.scheduler.address,
+                          "--sizes", "1K,64K"], capture_output=True, text=True, timeout=300, cwd=ROOT, check=True)
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["world_size"] == 2 and last["sizes"] == [1024, 65536] and len(last["busbw_gbps"]) == 2
+    assert all(b > 0 for b in last["busbw_gbps"]) and last["ok"] is True
+
+
+def test_run_records_the_sweep_and_a_slow_fabric_stops_it(tmp_path, client):
+    base = dict(engine="hf", iterations=1, eval_every=0, eval_size=8, prompts_per_step=2, group_size=2,
+                max_new_tokens=8, world_size=2, collective_timeout_s=30)
+    res = loop.run(config.profile("tiny", run_dir=str(tmp_path / "ok"), **base), client=client, progress=False)
+    fabric = res.summary["preflight"]
+    assert fabric["world_size"] == 2 and fabric["sizes"] == preflight.parse_sizes("1K:1M")
+    assert json.loads((tmp_path / "ok" / "summary.json").read_text())["preflight"] == fabric
+    slow = config.profile("tiny", run_dir=str(tmp_path / "slow"), preflight_min_busbw_gbps=1e6,
+                          preflight_on_slow="error", **base)
+    with pytest.raises(preflight.FabricTooSlow):
+        loop.run(slow, client=client, progress=False)
+    assert (tmp_path / "slow" / "metrics.jsonl").read_text() == ""  # failed before the first iteration
+    assert AdapterStore(slow.run.store_root).versions() == []

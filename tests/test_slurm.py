@@ -1,0 +1,138 @@
+"""The kit on a real single-node Slurm (scripts/slurm.sh) through dask-jobqueue: rollout and trainer
+workers are two kinds of Slurm job on one Dask scheduler (grpo_kit.slurm.slurm_cluster), all on
+127.0.0.1. Faults are real ``scancel`` s of a rollout job and of a trainer job mid-run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_kit import cluster as cl
+from grpo_kit import config, loop
+from grpo_kit.adapters import AdapterStore
+from grpo_kit.testing import assert_run_exact
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _slurm_up() -> str | None:
+    """Brings Slurm up (idempotent); returns why it cannot run here, or None."""
+    running = shutil.which("srun") and subprocess.run(["srun", "--immediate=10", "hostname"], capture_output=True,
+                                                        timeout=30).returncode == 0
+    if running:
+        return None
+    if os.geteuid() != 0:
+        return "Slurm is not running and scripts/slurm.sh needs root to install and start it"
+    if not shutil.which("apt-get") and not shutil.which("slurmctld"):
+        return "no apt-get to install Debian's slurm-wlm and munge"
+    out = subprocess.run(["bash", str(ROOT / "scripts/slurm.sh"), "up"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"scripts/slurm.sh up failed:\n{out.stdout}\n{out.stderr}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    why = _slurm_up()
+    if why:
+        pytest.skip(why)
+    from grpo_kit.slurm import slurm_cluster
+
+    logs = tmp_path_factory.mktemp("slurm-logs")
+    c = slurm_cluster(
+        rollout_jobs=1, trainer_jobs=1, interface="lo", walltime="00:30:00", log_directory=str(logs),
+        scheduler_options={"dashboard_address": "127.0.0.1:0"},
+        job_script_prologue=[f"export PYTHONPATH={ROOT}"],  # the checkout under test, not an installed kit
+    )
+    yield c
+    cluster = c.cluster
+    c.close()
+    cluster.close()
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(engine="hf", iterations=3, eval_every=0, eval_size=8, prompts_per_step=4, group_size=4,
+                max_new_tokens=32, run_dir=str(tmp_path / "run"), collective_timeout_s=30, lr=1e-3, world_size=1)
+    base.update(kw)
+    return config.profile("tiny", **base)
+
+
+def _jobs(client) -> dict[str, str]:
+    """Role -> Slurm job id of each live worker (read inside the worker)."""
+    info = client.run(lambda dask_worker: (dask_worker.name, os.environ.get("SLURM_JOB_ID")))
+    return dict(info.values())
+
+
+def _scancel_when(client, part: str, done: list, timeout: float = 240):
+    """scancel the Slurm job of the worker running a task whose key contains ``part``."""
+
+    def watch():
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for worker, keys in client.processing().items():
+                if any(part in str(k) for k in keys):
+                    name, job = client.run(lambda dask_worker: (dask_worker.name, os.environ["SLURM_JOB_ID"]),
+                                           workers=[worker])[worker]
+                    subprocess.run(["scancel", job], check=True)
+                    done.append((name, job))
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_workers_are_slurm_jobs_of_two_kinds(client):
+    jobs = _jobs(client)
+    assert sorted(jobs) == ["rollout-0", "trainer-0"] and all(jobs.values())
+    assert len(set(jobs.values())) == 2  # two jobs, one scheduler
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, check=True).stdout
+    running = {line.split()[1]: line.split()[0] for line in queue.splitlines() if line.endswith("RUNNING")}
+    assert running.get("grpo-rollout-0") == jobs["rollout-0"] and running.get("grpo-trainer-0") == jobs["trainer-0"]
+    assert cl.workers_with(client, cl.ROLLOUT) and cl.workers_with(client, cl.TRAINER)
+    addrs = client.scheduler_info()["workers"]
+    assert all(a.startswith("tcp://127.0.0.1:") for a in addrs) and client.scheduler.address.startswith("tcp://127.0.0.1:")
+    daemon = client.run(lambda: __import__("multiprocessing").current_process().daemon)
+    assert not any(daemon.values())  # engines and process groups may start child processes
+
+
+def test_loop_runs_on_slurm(tmp_path, client):
+    cfg = _cfg(tmp_path)
+    res = loop.run(cfg, client=client, progress=False)
+    assert [r["iteration"] for r in res.records] == [0, 1, 2]
+    assert_run_exact(tmp_path / "run", cfg, AdapterStore(cfg.run.store_root))
+
+
+def test_scancel_rollout_job_mid_run(tmp_path, client):
+    before = _jobs(client)
+    cfg = _cfg(tmp_path, iterations=4)
+    cancelled = []
+    _scancel_when(client, "-rollout-2-", cancelled)
+    res = loop.run(cfg, client=client, progress=False)
+    assert cancelled and cancelled[0] == ("rollout-0", before["rollout-0"]), "the fault was not injected"
+    assert len(res.records) == 4
+    print(f"rollout job {before['rollout-0']} cancelled; iteration seconds {[round(r['iter_s'], 1) for r in res.records]}")
+    assert_run_exact(tmp_path / "run", cfg, AdapterStore(cfg.run.store_root))
+    cl.wait_for_role(client, cl.ROLLOUT, 1)
+    assert _jobs(client)["rollout-0"] != before["rollout-0"]  # a replacement job took over
+
+
+def test_scancel_trainer_job_mid_run(tmp_path, client):
+    before = _jobs(client)
+    cfg = _cfg(tmp_path, iterations=4, max_restarts=2)
+    cancelled = []
+    _scancel_when(client, "-train-1-", cancelled)
+    res = loop.run(cfg, client=client, progress=False)
+    assert cancelled and cancelled[0] == ("trainer-0", before["trainer-0"]), "the fault was not injected"
+    assert len(res.records) == 4 and res.summary["gang_restarts"] >= 1
+    print(f"trainer job {before['trainer-0']} cancelled; gang restarts {res.summary['gang_restarts']}; "
+          f"iteration seconds {[round(r['iter_s'], 1) for r in res.records]}")
+    assert_run_exact(tmp_path / "run", cfg, AdapterStore(cfg.run.store_root))
+    assert _jobs(client)["trainer-0"] != before["trainer-0"]
