@@ -7,10 +7,12 @@ import json
 import math
 import pickle
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
 
+from grpo_kit import cluster as cl
 from grpo_kit import config, loop, tasks
 from grpo_kit.data import Problem
 from grpo_kit.reward import RewardResult
@@ -222,3 +224,40 @@ def test_task_objects_and_task_options_do_not_mix():
     cfg = config.profile("tiny", task_options={"n_digits": 2})
     with pytest.raises(ValueError, match="task_options apply to a task named in the config"):
         tasks.for_config(cfg, Task("t", lambda *a: _problems(), [_const(1.0)]))
+
+
+GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+@pytest.fixture(scope="module")
+def client():
+    c = cl.connect(n_rollout_workers=1, n_trainer_workers=1, n_reward_workers=1, quiet=True)
+    yield c
+    cluster = c.cluster
+    c.close()
+    cluster.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
+@pytest.mark.parametrize(
+    ("task", "model", "extra"),
+    [
+        ("gsm8k", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),
+        ("math", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),  # math-verify on GSM8K's gold numbers
+        ("code", "smollm2-135m", {"max_model_len": 1024}),  # HumanEval's prompts are long in the tiny model's tokens
+    ],
+)
+def test_builtin_tasks_train_through_the_dask_loop(task, model, extra, client, tmp_path):
+    cfg = config.profile("tiny", model=model, task=task, engine="hf", iterations=1, eval_every=1, eval_size=2,
+                         prompts_per_step=2, group_size=2, max_new_tokens=24, train_size=64,
+                         run_dir=str(tmp_path / "run"), collective_timeout_s=60, **extra)
+    res = loop.run(cfg, client, progress=False)
+    [rec] = res.records
+    assert rec["reward_errors"] == 0 and rec["reward_workers"] == 1
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["task"]["name"] == task
+    rows = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["reward_reason"] for r in rows)
+    prefix = {"gsm8k": "gsm8k-train-", "math": "gsm8k-train-", "code": "humaneval-"}[task]
+    assert all(r["prompt_id"].startswith(prefix) for r in rows), rows[0]["prompt_id"]
+    assert res.summary["acc_after"] is not None

@@ -1,0 +1,238 @@
+"""Final answers checked with math-verify, on any dataset with a final-answer column.
+
+math-verify (HF) parses a completion's final answer (``\\boxed{}``, LaTeX, fractions, plain
+numbers) and compares it with the gold symbolically. Its own timeouts use ``SIGALRM``, which works
+only in a main thread, while Dask runs tasks in worker threads: here they are turned off
+(``parsing_timeout=None``, ``timeout_seconds=None``) and the time is bounded at process level
+instead. :class:`Verifier` keeps one child process (``python -c``, started with
+:class:`subprocess.Popen`: no fork of a threaded process, and allowed in a daemonic Dask worker,
+where ``multiprocessing`` children are not) that answers one JSON line per check; a check that runs
+past ``timeout_s`` gets the child killed (SIGKILL) and scores 0 with the reason, and the next check
+starts a new child (about a second, for the imports).
+
+GSM8K's ``#### <n>`` marker is read as a final-answer mark like ``\\boxed{}``: when a completion has
+one, math-verify gets the rest of that line (the first marker, as :mod:`grpo_kit.reward` reads it).
+A gold may be a number string (GSM8K's), a ``\\boxed{}`` solution or bare LaTeX.
+
+The default source is GSM8K at ``../shared/data/gsm8k`` (train for training, test held out), since
+no copy of MATH is on these machines; any JSONL/parquet/CSV file, row list or hub id with a
+question and a final-answer column works (:func:`task`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .. import data
+from ..reward import MARKER, RewardResult
+from ..sandbox import readable
+from .base import Task
+
+DEFAULT_SOURCE = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+"""GSM8K beside the project (``../shared/data/gsm8k``); the hub's ``openai/gsm8k`` where it is absent."""
+INSTRUCTION = "Put the final answer in \\boxed{}."
+MAX_CHARS = 100_000
+"""Completions longer than this are rejected unread, as by :func:`grpo_kit.reward.gsm8k_reward`."""
+
+# The child: one JSON request a line on stdin, one JSON answer a line on the original stdout (math-verify
+# and sympy may print; their output goes to stderr). Gold parses are cached: a group shares its gold.
+_SERVER = r'''
+import json, os, sys, functools, logging, resource
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a runaway sympy number raises MemoryError, answered as an error
+out = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+logging.disable(logging.WARNING)
+from math_verify import parse, verify
+@functools.lru_cache(maxsize=4096)
+def gold_parse(g):
+    return parse(g, parsing_timeout=None)
+print(json.dumps({"ready": True}), file=out)
+for line in sys.stdin:
+    req = json.loads(line)
+    try:
+        g = gold_parse(req["gold"])
+        p = parse(req["pred"], parsing_timeout=None)
+        ok = bool(g) and bool(p) and verify(g, p, timeout_seconds=None)
+        try:
+            value = float(p[0]) if p else None
+        except Exception:
+            value = None
+        ans = {"ok": ok, "pred": str(p[-1]) if p else None, "value": value, "gold": str(g[-1]) if g else None}
+    except Exception as e:
+        ans = {"ok": False, "error": ("%s: %s" % (type(e).__name__, e))[:200]}
+    print(json.dumps(ans), file=out)
+'''
+
+
+class Verifier:
+    """A math-verify child process, reused across calls and restarted after a timeout. Thread-safe
+    (calls are serialized); one per process through :func:`verifier`."""
+
+    def __init__(self, start_timeout_s: float = 120.0):
+        self.start_timeout_s = start_timeout_s
+        self.starts = 0
+        """Children started so far (more than one: restarted after a timeout or a crash)."""
+        self._proc: subprocess.Popen | None = None
+        self._buf = b""
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        self.starts += 1
+        self._proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, start_new_session=True)
+        self._buf = b""
+        if self._readline(time.monotonic() + self.start_timeout_s) is None:
+            self.close()
+            raise RuntimeError(f"math-verify child did not start within {self.start_timeout_s:g} s (is math-verify installed?)")
+
+    def _readline(self, deadline: float) -> dict | None:
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not readable([fd], left):
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self._proc is not None:
+            try:
+                os.killpg(self._proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+            self._proc = None
+
+    def check(self, pred: str, gold: str, timeout_s: float = 5.0) -> dict:
+        """``{"ok", "pred", "value", "gold"}`` or ``{"ok": False, "error": ...}`` (``"timed out"`` past ``timeout_s``)."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            try:
+                self._proc.stdin.write((json.dumps({"pred": pred, "gold": gold}) + "\n").encode())
+                self._proc.stdin.flush()
+            except BrokenPipeError:
+                self.close()
+                return {"ok": False, "error": "math-verify child died"}
+            ans = self._readline(time.monotonic() + timeout_s)
+            if ans is None:
+                died = self._proc.poll() is not None
+                self.close()
+                return {"ok": False, "error": "math-verify child died" if died else f"timed out after {timeout_s:g} s"}
+            return ans
+
+
+@functools.cache
+def verifier() -> Verifier:
+    """This process's :class:`Verifier` (one per Dask worker process)."""
+    return Verifier()
+
+
+def final_answer(text: str) -> str:
+    """What math-verify reads: the rest of the line after the first ``####`` when there is one, else ``text``.
+
+    >>> final_answer("48 + 24 = 72\\n#### 72\\nQuestion: ...")
+    '72'
+    >>> final_answer("so the answer is $\\\\frac{1}{2}$")
+    'so the answer is $\\\\frac{1}{2}$'
+    """
+    at = text.find(MARKER)
+    if at < 0:
+        return text
+    return text[at + len(MARKER):].lstrip().split("\n", 1)[0].strip().strip("*`")
+
+
+def _gold_text(gold: str) -> str:
+    g = final_answer(str(gold)).strip()
+    # A bare answer ("1000", "\\frac{1}{2}", "(1, 2)"): math-verify reads all of it as LaTeX only between
+    # delimiters; without them it would take the last number of "1+x".
+    if "\\boxed" not in g and "$" not in g:
+        g = f"${g}$"
+    return g
+
+
+def _as_float(v) -> float | None:
+    return v if isinstance(v, float) and math.isfinite(v) else None
+
+
+def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequence[str], timeout_s: float = 5.0,
+                **_) -> list[RewardResult]:
+    """1.0 when math-verify finds the completion's final answer equal to the gold, else 0.0 with the
+    reason (TRL's signature). Each check is bounded by ``timeout_s`` (see :class:`Verifier`).
+
+    >>> [r.score for r in math_reward(["q"] * 3, ["so \\\\boxed{\\\\frac{1}{2}}", "#### 0.5", "it is 2"], ["0.5"] * 3)]
+    [1.0, 1.0, 0.0]
+    """
+    v = verifier()
+    out = []
+    for c, g in zip(completions, gold, strict=True):
+        if not isinstance(c, str):
+            raise TypeError(f"completion must be a str, got {type(c).__name__}")
+        if len(c) > MAX_CHARS:
+            out.append(RewardResult(0.0, None, f"input too long ({len(c)} chars > {MAX_CHARS})"))
+            continue
+        if not c.strip():
+            out.append(RewardResult(0.0, None, "empty completion"))
+            continue
+        ans = v.check(final_answer(c), _gold_text(g), timeout_s)
+        parsed = _as_float(ans.get("value"))
+        if "error" in ans:
+            out.append(RewardResult(0.0, None, f"math-verify: {ans['error']}"))
+        elif ans["pred"] is None:
+            out.append(RewardResult(0.0, None, "no final answer found", "math-verify"))
+        elif ans["ok"]:
+            out.append(RewardResult(1.0, parsed, "correct", "math-verify", True, True))
+        else:
+            out.append(RewardResult(0.0, parsed, f"wrong answer {ans['pred']} != {ans['gold']}", "math-verify"))
+    return out
+
+
+def _heldout(key: str, fraction: float) -> bool:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < fraction
+
+
+def task(source: str | Path | None = None, question: str = "question", answer: str = "answer",
+         heldout_fraction: float = 0.1, timeout_s: float = 5.0, instruction: str = INSTRUCTION) -> Task:
+    """Math answers checked by math-verify.
+
+    ``source``: None for GSM8K (``../shared/data/gsm8k``, else the hub's ``openai/gsm8k``), or a
+    GSM8K-layout directory (``train.jsonl``/``test.jsonl``), or any rows
+    :func:`grpo_kit.tasks.rows.load_rows` reads, with ``question`` and ``answer`` naming the columns;
+    the answer column holds a final answer, a ``\\boxed{}`` solution or a solution ending in ``#### <n>``.
+    Rows from one file are split by hashing the question (``heldout_fraction`` held out).
+    """
+    src = source if source is not None else (DEFAULT_SOURCE if DEFAULT_SOURCE.is_dir() else data.GSM8K_HUB_ID)
+
+    def problems(split: str, n: int, seed: int) -> list[data.Problem]:
+        if src == data.GSM8K_HUB_ID or Path(src).is_dir():
+            return list(data.load_gsm8k(str(src), "test" if split == "heldout" else "train", limit=n))
+        from .rows import load_rows
+
+        out = []
+        for i, row in enumerate(load_rows(src)):
+            for col in (question, answer):
+                if col not in row:
+                    raise KeyError(f"{src}: no column {col!r} (columns: {sorted(row)})")
+            if _heldout(str(row[question]), heldout_fraction) == (split == "heldout"):
+                out.append(data.Problem(id=f"math-{i}", question=str(row[question]), gold=final_answer(str(row[answer])),
+                                        solution=str(row[answer])))
+            if len(out) >= n:
+                break
+        return out
+
+    reward = functools.partial(math_reward, timeout_s=timeout_s)
+    return Task("math", problems, [reward], names=["math_verify"], instruction=instruction)

@@ -1,0 +1,73 @@
+"""Tests for grpo_kit.tasks.code: what code is taken from a completion (a table of cases), how the
+program is built for a full function or a body, the HumanEval split, and the task through resolve()."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpo_kit.tasks import resolve
+from grpo_kit.tasks.code import code_reward, extract_code, humaneval_problems, load_humaneval, program
+
+ROW = load_humaneval()[0]  # has_close_elements(numbers: List[float], threshold: float) -> bool; the prompt imports List
+BODY = ROW["canonical_solution"]
+FUNCTION = "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + BODY
+
+EXTRACTION = [
+    # (completion, expected code, expected source, why)
+    (BODY, BODY, "raw", "a body continuing the prompt, as base models write it"),
+    (FUNCTION, FUNCTION, "raw", "a whole function, no fence"),
+    (f"Here you go:\n```python\n{FUNCTION}```\nIt compares all pairs.", FUNCTION, "fenced", "chat answer with prose around the fence"),
+    (f"```py\n{FUNCTION}```", FUNCTION, "fenced", "the `py` tag"),
+    (f"```\n{FUNCTION}```", FUNCTION, "fenced", "no language tag"),
+    (f"```Python3\n{FUNCTION}```", FUNCTION, "fenced", "tag case and version ignored"),
+    (f"```python\n{FUNCTION}", FUNCTION, "fenced", "fence left open: the completion was cut off"),
+    (f"Example:\n```python\nprint(1)\n```\nSolution:\n```python\n{FUNCTION}```", FUNCTION, "fenced",
+     "of several blocks, the one that defines the entry point"),
+    ("```python\nx = 1\n```\n```python\ny = 2\n```", "x = 1\n", "fenced", "none defines it: the first block"),
+]
+
+
+@pytest.mark.parametrize("completion,code,how,why", EXTRACTION, ids=[c[3] for c in EXTRACTION])
+def test_extract_code(completion, code, how, why):
+    assert extract_code(completion, "has_close_elements") == (code, how)
+
+
+def test_program_for_a_body_continues_the_prompt_and_for_a_function_keeps_the_prompt_above_it():
+    src, rule = program(ROW["prompt"], BODY, ROW["test"], ROW["entry_point"])
+    assert rule == "raw+body" and src.startswith(ROW["prompt"] + BODY)
+    src, rule = program(ROW["prompt"], f"```python\n{FUNCTION}```", ROW["test"], ROW["entry_point"])
+    # the prompt's `from typing import List` stays defined; the completion's def replaces the stub
+    assert rule == "fenced+function" and src.startswith(ROW["prompt"] + "\n" + FUNCTION)
+    assert src.rstrip().endswith("check(has_close_elements)")
+
+
+def test_every_form_of_the_right_answer_scores_and_wrong_ones_do_not():
+    forms = [BODY, FUNCTION, f"Sure!\n```python\n{FUNCTION}```", f"```python\nfrom typing import List\n\n{FUNCTION}```",
+             "    return False\n", "```python\ndef has_close_elements(numbers, threshold):\n    return True\n```",
+             "I cannot solve this.", "```python\ndef has_close_elements(:\n```"]
+    scores = code_reward([ROW["prompt"]] * len(forms), forms, [ROW["test"]] * len(forms), [ROW["entry_point"]] * len(forms))
+    assert [s.score for s in scores] == [1.0] * 4 + [0.0] * 4, [s.reason for s in scores]
+    assert "SyntaxError" in scores[-1].reason and scores[-1].rule == "fenced+function"
+    assert scores[2].rule == "fenced+function" and scores[0].rule == "raw+body"
+
+
+def test_split_is_fixed_and_disjoint():
+    train, held = humaneval_problems("train"), humaneval_problems("heldout")
+    assert (len(train), len(held)) == (131, 33)
+    assert {p.id for p in held} == {f"humaneval-{k}" for k in range(0, 164, 5)}
+    assert not {p.id for p in train} & {p.id for p in held}
+    p = held[0]
+    assert p.question == ROW["prompt"] and set(p.columns) == {"test", "entry_point", "prompt"}
+
+
+def test_task_through_resolve_scores_a_batch():
+    task = resolve("code", timeout_s=5.0)
+    assert task.name == "code" and "```python" in task.instruction
+    probs = task.load("train", 4, seed=1)
+    assert probs != task.load("train", 4, seed=2) and probs == task.load("train", 4, seed=1)
+    probs = task.load("heldout", 2)
+    sols = [p.solution[len(p.columns["prompt"]):] for p in probs]
+    scores = task.scorer().score_problems(probs + probs, sols + ["    pass\n", "    while True:\n        pass\n"])
+    assert [s.reward for s in scores] == [1.0, 1.0, 0.0, 0.0], [s.reason for s in scores]
+    assert [s.correct for s in scores] == [True, True, False, False]
+    assert "AssertionError" in scores[2].reason and "timed out" in scores[3].reason

@@ -1,0 +1,170 @@
+"""Tests for grpo_kit.tasks.math: math-verify agrees with the ``####`` reward on GSM8K gold solutions
+(a sample here; all 8,792 in bench/rewards.py), accepts ``\\boxed{}``, fractions and LaTeX the regex
+cannot, runs off the main thread (a Dask worker's) with a hang bounded at process level, and the task
+loads GSM8K or a file of ``\\boxed{}`` answers."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from grpo_kit.reward import gsm8k_reward
+from grpo_kit.tasks import resolve
+from grpo_kit.tasks.math import Verifier, final_answer, math_reward
+
+GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
+SAMPLE = 300
+PATIENT_S = 60.0
+"""Per-check bound where a test is about the answer, not the bound: the machine may be heavily loaded."""
+
+
+def gsm8k_gold_rows() -> list[tuple[str, str]]:
+    """(answer text, gold number) for every train and test row."""
+    rows = []
+    for name in ("train.jsonl", "test.jsonl"):
+        path = GSM8K_DIR / name
+        assert path.is_file(), f"GSM8K data missing: {path}"
+        for line in path.open(encoding="utf-8"):
+            answer = json.loads(line)["answer"]
+            rows.append((answer, answer.rsplit("####", 1)[1].strip().replace(",", "")))
+    return rows
+
+
+def perturbed(answer: str, gold: str) -> tuple[str, str]:
+    """The same solution with its final answer off by one: both rewards must call it wrong."""
+    wrong = str(float(gold) + 1).removesuffix(".0")
+    return answer.rsplit("####", 1)[0] + f"#### {wrong}", gold
+
+
+def test_math_verify_agrees_with_the_marker_reward_on_gsm8k_gold_solutions():
+    rows = random.Random(0).sample(gsm8k_gold_rows(), SAMPLE)
+    cases = rows + [perturbed(a, g) for a, g in rows]
+    mv = math_reward(["q"] * len(cases), [a for a, _ in cases], [g for _, g in cases], timeout_s=PATIENT_S)
+    hashes = [gsm8k_reward(a, g) for a, g in cases]
+    disagree = [(a[-60:], g, m.reason, h.reason) for (a, g), m, h in zip(cases, mv, hashes, strict=True)
+                if m.correct != h.correct]
+    assert not disagree, disagree[:5]
+    assert sum(m.correct for m in mv) == SAMPLE  # the gold solutions right, the perturbed ones wrong
+
+
+ACCEPTED = [
+    # (completion, gold, why the `####` regex cannot read it and math-verify can)
+    ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", "a LaTeX fraction in \\boxed{}: the regex wants a plain number there"),
+    ("so the answer is \\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", "\\dfrac vs \\frac, and a LaTeX gold"),
+    ("The answer is $\\frac{6}{8}$.", "3/4", "an unreduced fraction between $...$, gold as a slash fraction"),
+    ("#### 3/4", "0.75", "the regex rejects a fraction after the marker, by design"),
+    ("\\boxed{2^{10}}", "1024", "a power"),
+    ("\\boxed{3\\sqrt{2}}", "\\sqrt{18}", "equal surds"),
+    ("\\boxed{x+1}", "1+x", "an expression, terms in another order"),
+    ("\\boxed{(1, 2)}", "(1,2)", "a tuple"),
+    ("\\boxed{\\$1{,}000}", "1000", "a dollar sign and a LaTeX thousands separator"),
+]
+REJECTED = [
+    # (completion, gold, why math-verify must say wrong)
+    ("\\boxed{\\frac{1}{3}}", "0.33", "a rounded value is not equal"),
+    ("\\boxed{x-1}", "1-x", "a sign flipped"),
+    ("so 5 apples", "6", "a plain wrong number"),
+    ("I do not know.", "6", "no answer at all"),
+    ("", "6", "empty"),
+]
+
+
+@pytest.mark.parametrize("completion,gold,why", ACCEPTED, ids=[c[2] for c in ACCEPTED])
+def test_accepts_what_the_regex_cannot(completion, gold, why):
+    (r,) = math_reward(["q"], [completion], [gold], timeout_s=PATIENT_S)
+    assert r.score == 1.0 and r.correct, r.reason
+    try:
+        assert not gsm8k_reward(completion, gold, lenient=True).lenient_correct
+    except ValueError:  # the gold itself is not a number the regex reads
+        pass
+
+
+@pytest.mark.parametrize("completion,gold,why", REJECTED, ids=[c[2] for c in REJECTED])
+def test_rejects_wrong_answers_with_a_reason(completion, gold, why):
+    (r,) = math_reward(["q"], [completion], [gold], timeout_s=PATIENT_S)
+    assert r.score == 0.0 and not r.correct and r.reason
+
+
+def test_final_answer_reads_the_first_marker_line():
+    assert final_answer("x = 2\n#### **18**\n\nQuestion: ...\n#### 4") == "18"
+
+
+HANG = "\\boxed{9^{9^{9^{9}}}}"  # sympy tries to evaluate the power tower: runs for hours
+
+
+def test_a_hang_is_bounded_and_the_next_check_works_off_the_main_thread():
+    v = Verifier()
+    out = {}
+
+    def work():
+        out["warm"] = v.check("1", "1", timeout_s=120.0)  # the child's first start imports sympy
+        t0 = time.monotonic()
+        out["hang"] = v.check(HANG, "5", timeout_s=1.0)
+        out["hang_s"] = time.monotonic() - t0
+        out["next"] = v.check("\\boxed{\\frac{10}{2}}", "5", timeout_s=30.0)
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join(120)
+    v.close()
+    assert out["hang"] == {"ok": False, "error": "timed out after 1 s"}
+    assert out["warm"]["ok"] and out["hang_s"] < 1.0 + 10.0  # the bound, plus slack for a loaded machine
+    assert out["next"]["ok"] and v.starts == 2
+
+
+def test_threads_share_one_child_safely():
+    """Scorer and Dask threads call the reward at once: answers must not cross between them."""
+    import concurrent.futures
+
+    def batch(k):
+        golds = [str(k * 100 + i) for i in range(15)]
+        return [r.correct for r in math_reward(["q"] * 15, [f"\\boxed{{{g}}}" for g in golds], golds, timeout_s=PATIENT_S)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(batch, range(8)))
+    assert all(all(r) for r in results)
+
+
+def _reward_in_worker(completions, golds, timeout_s):
+    scores = math_reward(["q"] * len(completions), completions, golds, timeout_s=timeout_s)
+    return threading.current_thread().name, [(r.score, r.reason) for r in scores]
+
+
+def test_math_reward_in_a_dask_worker_thread():
+    distributed = pytest.importorskip("distributed")
+    import dask
+
+    with dask.config.set({"distributed.comm.timeouts.connect": "120s"}), \
+            distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                     dashboard_address=None) as cluster, distributed.Client(cluster) as client:
+        good = client.submit(_reward_in_worker, ["\\boxed{\\frac{1}{2}}", "#### 7"], ["0.5", "7"], PATIENT_S).result()
+        hang = client.submit(_reward_in_worker, [HANG], ["5"], 2.0).result()
+        after = client.submit(_reward_in_worker, ["#### 7"], ["7"], PATIENT_S, pure=False).result()
+    assert good[0] != "MainThread" and hang[0] != "MainThread"
+    assert [s for s, _ in good[1]] == [1.0, 1.0], good
+    assert hang[1][0][0] == 0.0 and "timed out after 2 s" in hang[1][0][1], hang
+    assert after[1][0][0] == 1.0, after  # the worker goes on scoring, with a new child
+
+
+def test_task_reads_gsm8k_by_default_and_any_file_with_an_answer_column(tmp_path):
+    task = resolve("math")
+    train, held = task.load("train", 3), task.load("heldout", 3)
+    assert train[0].id.startswith("gsm8k-train") and held[0].id.startswith("gsm8k-test")
+    assert "\\boxed" in task.instruction
+    rows = [{"problem": f"What is {k}/{k + 1} + 0?", "solution": f"It is \\boxed{{\\frac{{{k}}}{{{k + 1}}}}}"} for k in range(1, 41)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    t = resolve("math", source=str(path), question="problem", answer="solution", heldout_fraction=0.25, timeout_s=PATIENT_S)
+    tr, he = t.load("train", 100), t.load("heldout", 100)
+    assert len(tr) + len(he) == 40 and 0 < len(he) < 20
+    p = he[0]
+    k = int(p.question.split()[2].split("/")[0])
+    scores = t.scorer().score_problems([p, p], [f"so \\boxed{{\\frac{{{2 * k}}}{{{2 * k + 2}}}}}", "\\boxed{0}"])
+    assert [s.reward for s in scores] == [1.0, 0.0], [s.reason for s in scores]
+    with pytest.raises(KeyError, match="no column 'answer'"):
+        resolve("math", source=str(path), question="problem").load("train", 5)
