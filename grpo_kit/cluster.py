@@ -95,6 +95,7 @@ def connect(
             "GRPO_KIT_THREADS": str(threads_per_worker),
             "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)) if pin_cpus else "auto",
             "TOKENIZERS_PARALLELISM": "false",
+            "GRPO_KIT_OWN_PGRP": "1",  # see ThreadsPlugin: a kernel interrupt must not reach the workers
         }
         if gpus:  # one device per worker, round-robin, as a GPU cluster gives each role its own
             env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
@@ -158,9 +159,15 @@ def tune_malloc() -> bool:
 
 class ThreadsPlugin(WorkerPlugin):
     """Applies the CPU affinity and torch thread count a worker was started with, and
-    :func:`tune_malloc`. Registered on every cluster a run uses (local or remote)."""
+    :func:`tune_malloc`. Registered on every cluster a run uses (local or remote).
+
+    A worker that :func:`connect` started in a notebook's kernel also leaves the kernel's process
+    group: Jupyter interrupts a kernel by signalling its whole process group, and SIGINT would
+    otherwise kill the worker processes (and their vLLM engines) along with the cell."""
 
     def setup(self, worker):
+        if os.environ.get("GRPO_KIT_OWN_PGRP") == "1" and hasattr(os, "setpgrp"):
+            os.setpgrp()  # the engine processes it starts from here on follow it
         worker.grpo_kit_malloc_tuned = tune_malloc()
         cpus = os.environ.get("GRPO_KIT_CPUS")
         if cpus and hasattr(os, "sched_setaffinity"):

@@ -162,6 +162,7 @@ def run(
         state = _reconcile(state, store)
         store.write_json(RUN_STATE, state)
         records = [r for r in _read_records(metrics_path) if r["iteration"] < state["next_iteration"]]
+        records += _recovered_records(store, records, state)
         metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
         for p in (samples_path, run_dir / "rollouts.jsonl"):  # drop lines of unfinished iterations
             trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
@@ -241,6 +242,29 @@ def _reconcile(state: dict, store: AdapterStore) -> dict:
         meta = store.manifest(v).get("meta", {})
         state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1)}
     return state
+
+
+_STAT_KEYS = {"loss": "loss", "ratio_mean": "ratio_mean", "ratio_std": "ratio_std", "ratio_min": "ratio_min",
+              "ratio_max": "ratio_max", "clip_low": "clip_frac_low", "clip_high": "clip_frac_high",
+              "clip_frac": "clip_frac", "kl": "kl_mean", "grad_norm": "grad_norm", "tokens": "tokens"}
+
+
+def _recovered_records(store: AdapterStore, records: list[dict], state: dict) -> list[dict]:
+    """Records of iterations whose adapter was published but whose record was never written (the
+    driver stopped in between, e.g. a kernel interrupt): rebuilt from the adapters' manifests (the
+    trainer's statistics; no rewards or timings), marked ``recovered``."""
+    have = {r["iteration"] for r in records}
+    last = max((r["version"] for r in records), default=0)
+    out = []
+    for v in range(last + 1, state["version"] + 1):
+        meta = store.manifest(v).get("meta", {})
+        it = meta.get("iteration")
+        if it is None or it in have or it >= state["next_iteration"]:
+            continue
+        stats = meta.get("stats", {})
+        out.append({"iteration": it, "version": v, "recovered": True, "reward_mean": None, "eval_acc": None,
+                    **{key: stats.get(k) for k, key in _STAT_KEYS.items()}})
+    return out
 
 
 class _Driver:
@@ -509,10 +533,11 @@ class _Driver:
             "iterations": self.state["next_iteration"],
             "final_version": final_version,
             "ratio_mean": sum(r["ratio_mean"] for r in recs) / len(recs) if recs else None,
-            "clip_fraction": sum(r["clip_frac"] for r in recs) / len(recs) if recs else None,
+            "clip_fraction": sum(r.get("clip_frac") or 0.0 for r in recs) / len(recs) if recs else None,
             "kl_final": recs[-1]["kl_mean"] if recs else None,
-            "rejected_groups": sum(r["rejected_groups"] for r in self.records),
-            "truncated": sum(r["truncated"] for r in self.records),
+            "rejected_groups": sum(r.get("rejected_groups") or 0 for r in self.records),  # recovered records lack it
+            "truncated": sum(r.get("truncated") or 0 for r in self.records),
+            "recovered_records": sum(bool(r.get("recovered")) for r in self.records),
             "gang_restarts": self.gang.restarts,
             "startup_s": self.startup_s,
             "warm_up_s": self.warm_up_s,

@@ -212,21 +212,23 @@ def run_all(page) -> None:
     page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
 
 
-def copy_quickstart(root: Path) -> dict:
-    """The quickstart with :data:`PARAMS` and its run directory in ``root``; returns the notebook JSON."""
+def copy_quickstart(root: Path, name: str = "quickstart", params: dict | None = None) -> dict:
+    """The quickstart with ``params`` (default :data:`PARAMS`) and its run directory ``root/<name>-run``
+    (``root/run`` for the default name), as ``root/<name>.ipynb``; returns the notebook JSON."""
     nb = json.loads((ROOT / "notebooks" / "01_quickstart.ipynb").read_text())
     [cell] = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
     src = "".join(cell["source"])
-    for name, value in {**PARAMS, "run_dir": str(root / "run")}.items():
+    run_dir = root / ("run" if name == "quickstart" else f"{name}-run")
+    for name_, value in {**(params or PARAMS), "run_dir": str(run_dir)}.items():
         src, n = re.subn(
-            rf"^{name}: (\w+) = [^#\n]*",
-            lambda m, v=value, name=name: f"{name}: {m.group(1)} = {v!r} ",
+            rf"^{name_}: (\w+) = [^#\n]*",
+            lambda m, v=value, name=name_: f"{name}: {m.group(1)} = {v!r} ",
             src,
             flags=re.M,
         )
-        assert n == 1, name
+        assert n == 1, name_
     cell["source"] = src
-    (root / "quickstart.ipynb").write_text(json.dumps(nb, indent=1))
+    (root / f"{name}.ipynb").write_text(json.dumps(nb, indent=1))
     return nb
 
 
@@ -304,7 +306,8 @@ def test_figures_render_and_update_mid_run(quickstart_run):
     states = quickstart_run["figure_states"]
     assert len(set(states)) >= 2, f"the reward figure did not change while training ran: {states}"
     titles = [f["title"] for f in quickstart_run["end_figures"]]
-    assert titles == ["Reward and accuracy", "Off-policy drift", "Staleness", "Pipeline timeline", "Time per iteration"]
+    assert titles == ["Reward and accuracy", "Off-policy drift", "Staleness", "Reward components", "Pipeline timeline",
+                      "Time per iteration"]
     assert all(max(f["points"].values()) > 0 for f in quickstart_run["end_figures"]), "a figure has no data"
     reward = quickstart_run["end_figures"][0]["points"]
     assert reward["reward mean"] == PARAMS["iterations"] and reward["held-out accuracy"] >= 2, reward  # + final eval
@@ -416,3 +419,72 @@ def test_report_figures_do_not_overlap(browser, tmp_path, width):
     assert len(figures) == len(plots.FIGURES) and not errors
     bad = [b for f in figures for b in overlaps(f)]
     assert not bad, bad
+
+
+def _metrics_iterations(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_all_ran(page, timeout_s: float) -> list[dict]:
+    t0 = time.time()
+    while True:
+        cells = [c for c in page.evaluate(CELLS_JS) if c["code"]]
+        prompts = [c["prompt"].strip() for c in cells]
+        if all(re.fullmatch(r"\[\d+\]:", p) for p in prompts):
+            return cells
+        assert time.time() - t0 < timeout_s, f"cells did not finish in {timeout_s} s: {prompts}"
+        time.sleep(1.0)
+
+
+def test_interrupting_the_kernel_then_resume_true_continues_the_run(lab, browser):
+    """What a person does when a run must stop: Kernel > Interrupt mid-run, set ``resume = True``, run
+    the training cell and those below it again. The run continues where it stopped: every iteration
+    is recorded exactly once and the summary counts them all."""
+    from grpo_kit import tiny
+
+    tiny.ensure_tiny_model()
+    base, token, root = lab
+    iterations = 24
+    nb = copy_quickstart(root, "resume", {"iterations": iterations, "eval_size": 16, "eval_every": 8})
+    run_dir = root / "resume-run"
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    train = next(i for i, c in enumerate(code) if TRAINING_CELL in "".join(c["source"]))
+    page = open_notebook(browser, base, token, "resume.ipynb")
+    run_all(page)
+    t0 = time.time()
+    while len(_metrics_iterations(run_dir)) < 3:
+        assert time.time() - t0 < RUN_TIMEOUT_S, "the run did not reach iteration 3"
+        time.sleep(0.5)
+    page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Kernel$")).click()
+    page.locator('.lm-Menu-item[data-command="kernelmenu:interrupt"]').click()
+    page.locator(".jp-StatusBar-TextItem", has_text="| Idle").first.wait_for(timeout=120_000)
+    cells = [c for c in page.evaluate(CELLS_JS) if c["code"]]
+    assert "KeyboardInterrupt" in cells[train]["output"], cells[train]["output"][-2000:]
+    done = _metrics_iterations(run_dir)
+    assert 3 <= len(done) < iterations and done == list(range(len(done))), done
+
+    # resume = True at the end of the parameters cell, run it, then the training cell and all below
+    params = page.locator(f"{PANEL} .jp-CodeCell").first
+    params.locator(".cm-content").click()
+    page.keyboard.press("Control+End")
+    page.keyboard.type("\nresume = True")
+    page.keyboard.press("Shift+Enter")
+    page.locator(f"{PANEL} .jp-CodeCell").nth(train).locator(".jp-InputPrompt").click()
+    page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+    page.locator('.lm-Menu-item[data-command="notebook:run-all-below"]').click()
+    time.sleep(2)
+    cells = _wait_all_ran(page, RUN_TIMEOUT_S)
+    page.locator(".jp-StatusBar-TextItem", has_text="| Idle").first.wait_for(timeout=60_000)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / "quickstart-resumed.png"))
+    errors = list(page.errors)
+    page.close()
+    assert "KeyboardInterrupt" not in cells[train]["output"] and "Error" not in cells[train]["output"], cells[train]["output"][-2000:]
+    assert _metrics_iterations(run_dir) == list(range(iterations))  # each iteration once, none repeated
+    # an iteration trained but not yet recorded when the interrupt came is rebuilt from its adapter's manifest
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["iterations"] == iterations and summary["final_version"] == iterations
+    assert errors == []

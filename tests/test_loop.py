@@ -258,10 +258,17 @@ def test_resume_when_publish_happened_but_state_was_not_written(tmp_path, client
     loop.run(cfg.override(iterations=2), client=client, progress=False)
     store = AdapterStore(cfg.run.store_root)
     state = store.read_json("run")
-    # simulate a crash between rank 0's publish of v2 and the driver's state write for iteration 1
+    # simulate a crash between rank 0's publish of v2 and the driver's record and state writes for
+    # iteration 1 (a kernel interrupt lands there as easily)
     store.write_json("run", {**state, "next_iteration": 1, "version": 1})
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])
     res = loop.run(cfg, client=client, resume=True, progress=False)
-    assert [r["iteration"] for r in res.records][-1] == 2
+    assert [r["iteration"] for r in res.records] == [0, 1, 2]  # iteration 1 not repeated, and not lost
+    recovered = res.records[1]
+    assert recovered["recovered"] and recovered["version"] == 2 and recovered["loss"] is not None
+    assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == [0, 1, 2]
+    assert res.summary["recovered_records"] == 1
     assert _chain(store) == [1, 2, 3]
 
 
