@@ -117,6 +117,10 @@ stop_daemons() {
 srun_ok() { timeout 20 srun -N1 -n1 --immediate=10 hostname >/dev/null 2>&1; }
 
 up() {
+  if [ "$(id -u)" != "0" ] && command -v srun >/dev/null && srun_ok; then
+    say "up (already running; not root, config left as it is)"
+    return 0
+  fi
   need_root
   local t0=$SECONDS changed=0
   install
