@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models test cluster-test demo bench lint clean
+.PHONY: setup models slurm test cluster-test demo bench lint clean
 
 setup:
 	@bash scripts/setup.sh
@@ -11,14 +11,18 @@ setup:
 models: setup
 	$(PY) -m grpo_kit.models tiny smollm2-135m
 
-test: setup models
+# a single-node Slurm on this machine for the Slurm tests (root: installs slurm-wlm + munge with apt)
+slurm:
+	@bash scripts/slurm.sh up || { [ "$$(id -u)" != 0 ] && echo "make: no Slurm without root here; the Slurm tests will skip"; }
+
+# the whole suite, the cluster tests included (what CI runs: .ci/run)
+test: setup models slurm
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# the kit on real clusters: a single-node Slurm (brought up here: root, apt), separately started
-# dask scheduler/worker processes (plain and TLS), the pre-flight all-reduce sweep
+# only the kit on real clusters: Slurm, separately started dask scheduler/worker processes (plain
+# and TLS), the pre-flight all-reduce sweep
 CLUSTER_TESTS := tests/test_slurm.py tests/test_separate_workers.py tests/test_preflight.py
-cluster-test: setup models
-	bash scripts/slurm.sh up
+cluster-test: setup models slurm
 	$(PY) -m pytest $(CLUSTER_TESTS) $(PYTEST_ARGS)
 
 demo: setup
