@@ -15,6 +15,10 @@ Figures (means over the measured iterations):
        dispatch, publish, fetch, serialization                           (target <= 3%)
 - gang overhead = (driver-measured training step - rank compute - publish) / rank compute: the warm
   gang's per-step cost of dispatch, batch transfer, state check and stats return (target <= 10%)
+- driver_payload_bytes = token payload through the driver per iteration: the pickled size of every
+  list of numbers held in a record (token ids, log-probs in a rollout dict or a trainer sample) in
+  what the driver gathers from workers, scatters to them, or puts in a task's arguments, summed over both modes' iterations and divided by their number.
+  The client's methods are wrapped to keep references; sizes are taken after the runs, off the clock.
 The last line is JSON.
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import tempfile
 import time
@@ -32,6 +37,39 @@ from grpo_kit import cluster, config, loop
 
 def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
+
+
+class PayloadCounter:
+    """Keeps what passes through the client's ``gather``, ``scatter`` and ``submit`` (references only,
+    so the runs are not slowed down); :meth:`token_bytes` sizes the numeric lists in it afterwards."""
+
+    def __init__(self, client):
+        self.seen: list = []
+        for name in ("gather", "scatter", "submit"):
+            setattr(client, name, self._wrap(getattr(client, name), name == "gather"))
+
+    def _wrap(self, fn, returns_data: bool):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self.seen.append(out if returns_data else (args, kwargs))
+            return out
+
+        return wrapped
+
+    def token_bytes(self) -> int:
+        return sum(_numeric_list_bytes(x) for x in self.seen)
+
+
+def _numeric_list_bytes(x, in_record: bool = False) -> int:
+    """Pickled bytes of the non-empty lists of numbers held as fields of records (dict values, tuple
+    items): token ids and log-probs, in a rollout dict or a trainer sample."""
+    if in_record and isinstance(x, list) and x and all(type(v) in (int, float) for v in x):
+        return len(pickle.dumps(x, protocol=5))
+    if isinstance(x, dict):
+        return sum(_numeric_list_bytes(v, True) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_numeric_list_bytes(v, isinstance(x, tuple)) for v in x)
+    return 0
 
 
 def measure(client, mode: str, args, root: str) -> dict:
@@ -76,11 +114,13 @@ def main() -> None:
         print("CPU allocation (pinned, one thread each):")
         for addr, cpus in sorted(affinity.items()):
             print(f"  {roles.get(addr, '?'):8s} {addr}: cpus {cpus}")
+        counter = PayloadCounter(client)
         with tempfile.TemporaryDirectory(prefix="grpo-bench-") as root:
             t0 = time.time()
             seq = measure(client, "sequential", args, root)
             pipe = measure(client, "pipelined", args, root)
             elapsed = time.time() - t0
+        payload = counter.token_bytes() / (2 * (args.warmup + args.iterations))
     finally:
         cl = client.cluster
         client.close()
@@ -107,6 +147,7 @@ def main() -> None:
     print(f"P2 speedup as share of the ideal    = {p2:.1%}  (target >= 90%)")
     print(f"P3 overhead share of the iteration  = {p3:.1%}  (target <= 3%)")
     print(f"gang per-step overhead over compute = {gang:.1%}  (target <= 10%)")
+    print(f"token payload through the driver    = {payload:,.0f} bytes per iteration")
     print(json.dumps({
         "sequential_iter_s": round(seq["iter_s"], 4),
         "pipelined_iter_s": round(pipe["iter_s"], 4),
@@ -116,6 +157,7 @@ def main() -> None:
         "p2_share_of_ideal": round(p2, 4),
         "p3_overhead_share": round(p3, 4),
         "gang_overhead_share": round(gang, 4),
+        "driver_payload_bytes": round(payload),
     }))
 
 

@@ -15,6 +15,9 @@ dask-kubernetes: the worker command's args).
 - Training is a gang (:class:`TrainerGang`): ``world_size`` rank tasks pinned to distinct trainer
   workers, rendezvous at rank 0's host on a free port, bounded timeouts. If a rank fails, the
   gang is re-formed from the store's last version, up to ``max_restarts`` times.
+- The driver stays out of the data path: it gathers :func:`summary_task`'s view of each scored
+  chunk (rewards, counts, texts; no token ids or log-probs) and hands the gang the scored chunks'
+  futures (:class:`RolloutBatch`); each rank task fetches them from the rollout workers itself.
 """
 
 from __future__ import annotations
@@ -23,15 +26,18 @@ import logging
 import os
 import socket
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import dask
+import torch
 from distributed import Client, Nanny, WorkerPlugin, get_worker, wait
 
 from .adapters import AdapterStore
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
+from .loss import group_advantages
 from .prompts import PromptFormat
+from .rollout import RolloutSummary
 from .tasks import Scorer
 from .trainer import RankSpec, teardown, train_rank, warm
 
@@ -354,6 +360,14 @@ def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: S
     return result
 
 
+def summary_task(scored: dict) -> dict:
+    """What the driver gathers of a scored chunk (:func:`reward_task`'s result): each rollout's
+    :meth:`~grpo_kit.rollout.RolloutSummary.of` and the chunk's timings. The token ids and log-probs
+    stay in the scored chunk, on its worker, until the trainer ranks fetch it (:func:`train_rank_on`)."""
+    return {**{k: v for k, v in scored.items() if k != "rollouts"},
+            "rollouts": [RolloutSummary.of(r) for r in scored["rollouts"]]}
+
+
 def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: Scorer) -> dict:
     """Greedy held-out accuracy of adapter ``version`` (0 = the base model) by the task's rule:
     strict (``acc``; for the arithmetic tasks the ``####`` form and the right value) and lenient
@@ -446,6 +460,44 @@ def local_ranks(workers: list[str]) -> list[int]:
     return out
 
 
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One training batch, by reference: the scored chunks stay where they are (Dask futures of
+    :func:`reward_task`), and ``picks`` names the samples in training order."""
+
+    scored: list
+    """Futures of the scored chunks (``{"rollouts": [Rollout.to_dict() + reward fields], ...}``)."""
+    picks: list[tuple[int, int]]
+    """``(chunk index, rollout index)`` of each sample, whole groups of ``group_size`` in a row."""
+    group_size: int
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+
+def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: int, adv_scale: str) -> list[tuple]:
+    """The trainer's samples ``(prompt_ids, completion_ids, logprobs, adv)`` for ``picks``. The
+    advantages come from the rewards in ``scored``, as the driver computes them for its records:
+    tokens and rewards always come from the same computation, even if Dask had to recompute a chunk
+    whose worker died after the driver read its summary.
+
+    >>> chunk = {"rollouts": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-0.5], "reward": r} for r in (1.0, 0.0)]}
+    >>> batch_samples([chunk], [(0, 1), (0, 0)], 2, "none")
+    [([1], [2], [-0.5], -0.5), ([1], [2], [-0.5], 0.5)]
+    """
+    rows = [scored[c]["rollouts"][i] for c, i in picks]
+    rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    adv = group_advantages(rewards, group_size, scale=adv_scale).tolist() if rows else []
+    return [(r["prompt_ids"], r["completion_ids"], r["logprobs"], a) for r, a in zip(rows, adv, strict=True)]
+
+
+def train_rank_on(spec: RankSpec, scored: list[dict], picks: list[tuple[int, int]], group_size: int, version: int,
+                  iteration: int) -> dict:
+    """One rank's part of a training step on a :class:`RolloutBatch` (a Dask task: ``scored`` arrives
+    from the workers that hold it, never through the driver)."""
+    return train_rank(spec, batch_samples(scored, picks, group_size, spec.loss.adv_scale), version, iteration)
+
+
 class GangFailed(RuntimeError):
     """The trainer gang failed more often than ``max_restarts`` allows."""
 
@@ -480,17 +532,13 @@ class TrainerGang:
     def _alive(self) -> bool:
         return set(self.workers) <= set(workers_with(self.client, TRAINER))
 
-    def step(self, samples: list, version: int, iteration: int, store: AdapterStore) -> dict:
-        """Train on ``samples`` from ``version``; returns rank 0's stats (identical on all ranks)."""
+    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore) -> dict:
+        """Train on ``batch`` from ``version``; returns rank 0's stats (identical on all ranks).
+        Every rank task fetches the batch's scored chunks from the workers that hold them."""
         while True:
-            # the batch travels once per worker, not once per rank task through the scheduler; one
-            # rank takes it inline with its task (a scatter would add a round trip)
-            if len(self.workers) == 1:
-                batch = samples
-            else:
-                [batch] = self.client.scatter([samples], workers=self.workers, broadcast=True, hash=False)
             futures = [
-                self.client.submit(train_rank, spec, batch, version, iteration, workers=[w], allow_other_workers=False,
+                self.client.submit(train_rank_on, spec, batch.scored, batch.picks, batch.group_size, version, iteration,
+                                   workers=[w], allow_other_workers=False,
                                    key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")
                 for spec, w in zip(self._specs(), self.workers, strict=True)
             ]

@@ -15,6 +15,11 @@ iteration; an iteration whose adapter was published but whose run state was not 
 in between) is recognised from the adapter's manifest and not repeated.
 
 Seeds derive from (run seed, iteration, group), so a retried rollout task reproduces its batch.
+
+Token ids and log-probs never pass through the driver: it gathers each scored chunk's summary
+(:class:`~grpo_kit.rollout.RolloutSummary`: rewards, counts, finish reasons, texts), records it
+(``rollouts.jsonl`` holds the summaries), and hands the trainer gang the scored chunks' futures,
+which every rank fetches from the rollout workers.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from .adapters import AdapterStore
 from .config import Config
 from .loss import group_advantages
 from .models import resolve_model
-from .rollout import Rollout
+from .rollout import RolloutSummary
 from .tasks import Task
 from .trainer import RankSpec
 
@@ -52,6 +57,9 @@ def _seed(*parts) -> int:
 class _Pending:
     version: int
     futures: list
+    """Futures of the chunks' summaries (:func:`cluster.summary_task`): what the driver gathers."""
+    scored: list = field(default_factory=list)
+    """Futures of the scored chunks (token ids and log-probs): they stay on the workers."""
 
 
 @dataclass
@@ -308,7 +316,7 @@ class _Driver:
         version = self.rollout_version(iteration) if version is None else version
         probs = self.problems_for(iteration)
         per = math.ceil(len(probs) / self.chunks)
-        futures = []
+        futures, scored = [], []
         for c in range(0, len(probs), per):
             chunk = [cl.problem_dict(p) for p in probs[c : c + per]]
             key = f"{self.key}-rollout-{iteration}-{c}-v{version}"
@@ -317,9 +325,11 @@ class _Driver:
                 _seed(self.cfg.run.seed, iteration), c, iteration,
                 key=key, resources={cl.ROLLOUT: 1}, retries=2,
             )
-            futures.append(self.client.submit(cl.reward_task, gen, chunk, c, self.scorer, key=f"{self.key}-reward-{iteration}-{c}",
-                                              resources=self.reward_resources, retries=2))
-        self.pending[iteration] = _Pending(version, futures)
+            scored.append(self.client.submit(cl.reward_task, gen, chunk, c, self.scorer, key=f"{self.key}-reward-{iteration}-{c}",
+                                             resources=self.reward_resources, retries=2))
+            futures.append(self.client.submit(cl.summary_task, scored[-1], key=f"{self.key}-summary-{iteration}-{c}",
+                                              retries=2))
+        self.pending[iteration] = _Pending(version, futures, scored)
 
     def submit_eval(self, iteration: int, version: int) -> None:
         fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
@@ -371,8 +381,7 @@ class _Driver:
 
     def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0) -> dict:
         cfg, s = self.cfg, self.cfg.sampling
-        rollouts = [Rollout.from_dict(r) for res in results for r in res["rollouts"]]
-        rollouts.sort(key=lambda r: (r.group_id, r.sample_idx))
+        rollouts, picks = _summaries(results)
         want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
         if [(r.group_id, r.sample_idx) for r in rollouts] != want:
             raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
@@ -385,14 +394,14 @@ class _Driver:
         n_groups = len(rollouts) // s.group_size
         rewards = torch.tensor([r.reward for r in kept], dtype=torch.float64)
         adv = group_advantages(rewards, s.group_size, scale=cfg.loss.adv_scale) if len(kept) else rewards
-        samples = [(r.prompt_ids, r.completion_ids, r.logprobs, float(a)) for r, a in zip(kept, adv.tolist(), strict=True)]
+        batch = cl.RolloutBatch(pend.scored, picks, s.group_size)  # the ranks fetch the tokens themselves
         spread = [max(g) > min(g) for g in (rewards[i : i + s.group_size].tolist() for i in range(0, len(kept), s.group_size))]
 
         t_train = time.time()
-        stats = self.gang.step(samples, version, it, self.store) if samples else {}
+        stats = self.gang.step(batch, version, it, self.store) if batch else {}
         t_train_end = time.time()
-        self.state["version"] = version + 1 if samples else version
-        if samples and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
+        self.state["version"] = version + 1 if batch else version
+        if batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
             self.submit_eval(it, self.state["version"])
 
         gen_spans = [{"name": "generate", "iteration": it, "start": r["start"], "end": r["end"]} for r in results]
@@ -447,7 +456,7 @@ class _Driver:
             "usable_samples": usable,
             "usable_per_s": usable / max(1e-9, iter_end - t_iter),
             "truncated": sum(r.truncated for r in rollouts),
-            "completion_tokens": sum(len(r.completion_ids) for r in rollouts),
+            "completion_tokens": sum(r.completion_tokens for r in rollouts),
             "gen_s": gen_s,
             "gen_wait_s": t_gen_done - t_iter,
             "train_s": t_train_end - t_train,
@@ -495,7 +504,7 @@ class _Driver:
         evs = [e for e in self.state["evals"] if e["version"] > 0]
         return evs[-1]["acc"] if evs else None
 
-    def _write_samples(self, it: int, rollouts: list[Rollout]) -> None:
+    def _write_samples(self, it: int, rollouts: list[RolloutSummary]) -> None:
         with open(self.samples_path.with_name("rollouts.jsonl"), "a") as f:
             for r in rollouts:
                 f.write(json.dumps(r.to_dict()) + "\n")
@@ -508,7 +517,7 @@ class _Driver:
         """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""
         cfg = self.cfg
         for p in self.pending.values():
-            self.client.cancel(p.futures)
+            self.client.cancel(p.futures + p.scored)
         self.pending.clear()
         final_version = self.state["version"]
         if cfg.run.eval_every and not any(e["version"] == final_version for e in self.state["evals"]):
@@ -547,13 +556,21 @@ class _Driver:
         return summary
 
 
-def _component_means(rollouts: list[Rollout]) -> dict:
+def _component_means(rollouts: list[RolloutSummary]) -> dict:
     """Mean score of each reward component over the batch (completions where it applied)."""
     out: dict = {}
     for name in (rollouts[0].reward_components or {}) if rollouts else ():
         vals = [r.reward_components[name] for r in rollouts if r.reward_components and r.reward_components.get(name) is not None]
         out[name] = sum(vals) / len(vals) if vals else None
     return out
+
+
+def _summaries(results: list[dict]) -> tuple[list[RolloutSummary], list[tuple[int, int]]]:
+    """The chunks' rollout summaries in training order (group, then sample), each with where its
+    tokens are: ``(chunk index, rollout index)`` in the scored chunks."""
+    rows = [(RolloutSummary.from_dict(r), (c, i)) for c, res in enumerate(results) for i, r in enumerate(res["rollouts"])]
+    rows.sort(key=lambda x: (x[0].group_id, x[0].sample_idx))
+    return [r for r, _ in rows], [p for _, p in rows]
 
 
 def _finite(x):

@@ -93,6 +93,57 @@ class Rollout:
         return cls(**d)
 
 
+TOKEN_FIELDS = ("prompt_ids", "completion_ids", "logprobs")
+"""The :class:`Rollout` fields that make up its token payload (kept on the workers, see :class:`RolloutSummary`)."""
+
+
+@dataclass
+class RolloutSummary:
+    """A scored :class:`Rollout` as the driver sees it: every field but the token ids and log-probs,
+    which stay on the workers for the trainer ranks, and their counts instead."""
+
+    prompt_id: str
+    group_id: int
+    sample_idx: int
+    version: int
+    finish_reason: str
+    text: str
+    gold: str | None
+    prompt_tokens: int
+    """``len(prompt_ids)``."""
+    completion_tokens: int
+    """``len(completion_ids)``."""
+    stop: str | None = None
+    reward: float | None = None
+    reward_reason: str | None = None
+    correct: bool | None = None
+    lenient_correct: bool | None = None
+    reward_components: dict | None = None
+    reward_errors: int = 0
+    iteration: int | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @staticmethod
+    def of(rollout: dict[str, Any]) -> dict[str, Any]:
+        """The summary (as plain JSON types) of a rollout in :meth:`Rollout.to_dict` form."""
+        d = {k: v for k, v in rollout.items() if k not in TOKEN_FIELDS}
+        d["prompt_tokens"], d["completion_tokens"] = len(rollout["prompt_ids"]), len(rollout["completion_ids"])
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RolloutSummary:
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:  # a field added to Rollout and not here
+            raise ValueError(f"unknown RolloutSummary field(s): {sorted(unknown)}")
+        return cls(**d)
+
+
 @runtime_checkable
 class Engine(Protocol):
     """What the loop needs from a rollout engine (:class:`HFEngine`, ``VLLMEngine``)."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from grpo_kit import cluster as cl
 from grpo_kit import config, data, loop, models
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.prompts import PromptFormat
@@ -97,7 +98,13 @@ def test_loop_on_smollm2(which, smol_path, tmp_path):
     tok = AutoTokenizer.from_pretrained(smol_path)
     rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
     assert len(rows) == 2 * 2 * 4
-    assert all(tok.decode(r["prompt_ids"]).startswith("<|im_start|>system\n") for r in rows)
+    # the driver keeps no token ids (they went from the rollout workers to the ranks): each prompt's
+    # length is that of its chat rendering
+    fmt = cl.prompt_format(cfg)
+    pool = {p.id: p for p in data.load_problems(cfg.data.dataset, "train", cfg.data.train_size, seed=cfg.run.seed)}
+    assert fmt.uses_chat(tok)
+    assert all(r["prompt_tokens"] == len(fmt.encode(tok, pool[r["prompt_id"]].question)) and "prompt_ids" not in r
+               for r in rows)
     assert all(r["prompt_id"].startswith("gsm8k-train-") for r in rows)
     assert all(r["correct"] in (True, False) and r["lenient_correct"] in (True, False) for r in rows)
     assert all(r["stop"] in (None, "\n\n") for r in rows)

@@ -7,6 +7,7 @@ trainer loads it): at temperature 1 the on-policy importance ratio must be 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
-from grpo_kit.rollout import Engine, HFEngine, Rollout, group_seed
+from grpo_kit.rollout import TOKEN_FIELDS, Engine, HFEngine, Rollout, RolloutSummary, group_seed
 from grpo_kit.testing import assert_aligned, dlogp, perturbed_adapter, policy
 
 MAX_NEW = 48
@@ -69,6 +70,19 @@ def test_rollout_round_trip():
     assert d["reward_reason"] is None
     with pytest.raises(ValueError, match="unknown Rollout field"):
         Rollout.from_dict({**d, "extra": 1})
+
+
+def test_summary_is_the_record_without_its_tokens():
+    """The driver's view of a rollout: every other field, and the token counts (a field added to
+    Rollout and not to RolloutSummary fails here, not mid-run)."""
+    r = Rollout("add-1-2", 3, 1, [5, 6, 9], [7, 1], [-0.5, -0.25], 2, "length", "#### 3", "3", reward=1.0, iteration=4)
+    d = json.loads(json.dumps(RolloutSummary.of(r.to_dict())))
+    assert set(d) == ({f.name for f in dataclasses.fields(Rollout)} - set(TOKEN_FIELDS)) | {"prompt_tokens", "completion_tokens"}
+    s = RolloutSummary.from_dict(d)
+    assert (s.prompt_tokens, s.completion_tokens, s.reward, s.text, s.truncated) == (3, 2, 1.0, "#### 3", True)
+    assert RolloutSummary.from_dict(s.to_dict()) == s
+    with pytest.raises(ValueError, match="unknown RolloutSummary field"):
+        RolloutSummary.from_dict({**d, "completion_ids": [7, 1]})
 
 
 def test_group_seeds_are_distinct_and_stable():
