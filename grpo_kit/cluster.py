@@ -114,6 +114,40 @@ def connect(
     return client
 
 
+def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
+    """Grow or shrink the rollout role of a :func:`connect` ``LocalCluster`` to ``n`` workers; the
+    trainer workers are untouched. New workers copy ``rollout-0``'s spec (and get the registered
+    plugins: the engine warms before the worker takes rollout tasks); removed ones, the newest first,
+    are retired gracefully (their running tasks are recomputed elsewhere if lost). Returns the rollout
+    workers' addresses once ``n`` of them advertise the role (a joining one only once it is warm)."""
+    cluster = client.cluster
+    if cluster is None or not hasattr(cluster, "worker_spec"):
+        raise TypeError("scale_rollout needs a SpecCluster started by cluster.connect(); scale other clusters "
+                        "with their own tools (dask-jobqueue: cluster.scale(jobs=...))")
+    if n < 1:
+        raise ValueError(f"the rollout role needs at least one worker, got n={n}")
+    spec = cluster.worker_spec
+    names = sorted((k for k in spec if str(k).startswith(f"{ROLLOUT}-")), key=lambda k: int(str(k).rsplit("-", 1)[1]))
+    if not names:
+        raise ValueError("this cluster has no rollout-<i> worker spec to copy")
+    template, nxt = spec[names[0]], int(str(names[-1]).rsplit("-", 1)[1]) + 1
+    while len(names) < n:
+        spec[f"{ROLLOUT}-{nxt}"] = {"cls": template["cls"], "options": dict(template["options"])}
+        names.append(f"{ROLLOUT}-{nxt}")
+        nxt += 1
+    while len(names) > n:
+        del spec[names.pop()]
+    cluster.scale(len(spec))  # no count change: applies the edited specs (SpecCluster._correct_state)
+    deadline = time.time() + timeout
+    while True:
+        found = workers_with(client, ROLLOUT)
+        if len(found) == n:
+            return found
+        if time.time() > deadline:
+            raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
+        time.sleep(0.2)
+
+
 def _visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -196,7 +230,13 @@ def wait_for_role(client: Client, resource: str, n: int, timeout: float = 120) -
 
 
 class EnginePlugin(WorkerPlugin):
-    """A warm rollout engine, built lazily in each rollout worker and reused across tasks."""
+    """A warm rollout engine in each rollout worker, reused across tasks.
+
+    Registered with ``client.register_plugin``, so the scheduler also installs it on every worker that
+    joins later. On a rollout worker, :meth:`setup` builds the engine in a background thread with the
+    worker's ``rollout`` resource set to 0, and restores it when the engine is built and has sampled
+    once: a worker that joins mid-run gets no rollout task until it is warm (the elastic fleet).
+    """
 
     def __init__(self, kind: str, model_path: str, store_root: str, storage_options: dict | None, engine_kwargs: dict):
         self.kind, self.model_path = kind, model_path
@@ -205,13 +245,31 @@ class EnginePlugin(WorkerPlugin):
         self._engine = None
 
     def setup(self, worker):
+        import threading
+
         self._engine = None
+        self._lock = threading.Lock()
+        amount = worker.state.total_resources.get(ROLLOUT, 0)
+        if amount:
+            worker.loop.add_callback(self._warm_gated, worker, amount)
+
+    async def _warm_gated(self, worker, amount: float) -> None:
+        import asyncio
+
+        await worker.set_resources(**{ROLLOUT: 0})
+        try:
+            await asyncio.to_thread(warm_engine, engine=self.engine)
+        except Exception:  # the first task raises the same error where a driver sees it
+            log.exception("building the rollout engine failed on %s", worker.address)
+        finally:
+            await worker.set_resources(**{ROLLOUT: amount})
 
     def engine(self):
-        if self._engine is None:
-            store = AdapterStore(self.store_root, self.storage_options)
-            self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
-        return self._engine
+        with self._lock:  # a task that arrives during the warm-up waits for it, never builds twice
+            if self._engine is None:
+                store = AdapterStore(self.store_root, self.storage_options)
+                self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
+            return self._engine
 
     def teardown(self, worker):
         if self._engine is not None:
@@ -289,11 +347,12 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
 WARM_PROBLEM = Problem(id="warm-up", question="1 + 1 = ?", gold="2")
 
 
-def warm_engine(n: int = 4, max_new_tokens: int = 8) -> float:
+def warm_engine(n: int = 4, max_new_tokens: int = 8, engine=None) -> float:
     """Build this worker's engine and sample once from the base model (a task run before the first
-    batch: first calls pay one-off kernel set-up); returns the seconds it took."""
+    batch: first calls pay one-off kernel set-up); returns the seconds it took. ``engine``: a
+    callable returning the engine (default: the registered plugin's)."""
     t0 = time.time()
-    _engine().generate([WARM_PROBLEM], n, 0, max_new_tokens=max_new_tokens, seed=0)
+    (engine or _engine)().generate([WARM_PROBLEM], n, 0, max_new_tokens=max_new_tokens, seed=0)
     return time.time() - t0
 
 

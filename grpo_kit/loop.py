@@ -38,6 +38,7 @@ from .data import load_problems
 from .loss import group_advantages
 from .models import resolve_model
 from .rollout import Rollout
+from .sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
 from .trainer import RankSpec
 
 RUN_STATE = "run"
@@ -197,7 +198,8 @@ def run(
 def _run_id(cfg: Config, store_root: str) -> str:
     """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
     d = cfg.to_dict()
-    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every")}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
+                                                         "price_per_hour")}
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -246,11 +248,15 @@ class _Driver:
         self.depth = cfg.run.depth
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.reward_kw = cl.reward_kwargs(cfg)
+        self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch (not resumed)
+        self.groups_seen = [0, 0]  # dynamic sampling: usable and all groups generated so far
 
     # ------------------------------------------------------------------ submission
-    def problems_for(self, iteration: int):
-        rng = random.Random(_seed(self.cfg.run.seed, "prompts", iteration))
-        return rng.sample(self.train_pool, self.cfg.sampling.prompts_per_step)
+    def problems_for(self, iteration: int, round_: int = 0, n: int | None = None):
+        """The prompts of ``iteration``'s batch; dynamic sampling's extra rounds (``round_`` >= 1) draw
+        ``n`` others from their own seed."""
+        parts = (self.cfg.run.seed, "prompts", iteration) + ((round_,) if round_ else ())
+        return random.Random(_seed(*parts)).sample(self.train_pool, n or self.cfg.sampling.prompts_per_step)
 
     def rollout_version(self, iteration: int) -> int:
         """The adapter version that generates ``iteration``'s batch. Pacing: the trainer's version
@@ -264,22 +270,54 @@ class _Driver:
     def submit_generation(self, iteration: int, version: int | None = None) -> None:
         if iteration in self.pending or iteration >= self.cfg.run.iterations:
             return
-        s = self.cfg.sampling
         version = self.rollout_version(iteration) if version is None else version
-        probs = self.problems_for(iteration)
-        per = math.ceil(len(probs) / self.chunks)
+        self.pending[iteration] = _Pending(version, self.submit_round(iteration, 0, version))
+
+    def submit_round(self, iteration: int, round_: int, version: int, n: int | None = None, priority: int = 0) -> list:
+        """Rollout + reward futures of one generation round, split over the rollout workers present now
+        (at least ``n_rollout_workers`` chunks: workers that joined mid-run get a share from here on)."""
+        s = self.cfg.sampling
+        probs = self.problems_for(iteration, round_, n)
+        live = len(cl.workers_with(self.client, cl.ROLLOUT))
+        per = math.ceil(len(probs) / max(1, min(len(probs), max(self.chunks, live))))
+        offset = round_ * s.prompts_per_step * s.max_gen_batches  # distinct group ids (and seeds) per round
         futures = []
         for c in range(0, len(probs), per):
             chunk = [cl.problem_dict(p) for p in probs[c : c + per]]
-            key = f"{self.key}-rollout-{iteration}-{c}-v{version}"
+            tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "")
             gen = self.client.submit(
                 cl.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, iteration), c, iteration,
-                key=key, resources={cl.ROLLOUT: 1}, retries=2,
+                _seed(self.cfg.run.seed, iteration), offset + c, iteration,
+                key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
             )
-            futures.append(self.client.submit(cl.reward_task, gen, self.reward_kw, key=f"{self.key}-reward-{iteration}-{c}",
-                                              retries=2))
-        self.pending[iteration] = _Pending(version, futures)
+            futures.append(self.client.submit(cl.reward_task, gen, self.reward_kw, key=f"{self.key}-reward-{tag}",
+                                              retries=2, priority=priority))
+        return futures
+
+    def fill_usable(self, it: int, results: list[dict]) -> tuple[list[dict], list[Group], dict]:
+        """Dynamic sampling: this batch's usable groups plus the carried ones, topped up by extra
+        generation rounds (at the current version, ahead of queued work) up to ``max_gen_batches``.
+        Returns every round's results, the groups to train on, and the counts for the record."""
+        s, version = self.cfg.sampling, self.state["version"]
+        fresh = _groups(results, s.group_size)
+        carried = len(self.carry)
+        sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
+        rounds = 1
+        while len(sel.train) < s.prompts_per_step and rounds < s.max_gen_batches:
+            seen = [self.groups_seen[0] + sum(g.has_spread for g in fresh), self.groups_seen[1] + len(fresh)]
+            n = extra_prompts(s.prompts_per_step - len(sel.train), seen[0] / seen[1] if seen[1] else None,
+                              s.prompts_per_step)
+            more = self.client.gather(self.submit_round(it, rounds, version, n, priority=10))
+            results = results + more
+            fresh += _groups(more, s.group_size)
+            rounds += 1
+            sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
+        self.groups_seen[0] += sum(g.has_spread for g in fresh)
+        self.groups_seen[1] += len(fresh)
+        self.carry = sel.carry
+        counts = {"gen_batches": rounds, "dropped_groups": sel.dropped, "carried_in_groups": carried,
+                  "carried_out_groups": len(sel.carry), "expired_groups": sel.expired}
+        return results, sel.train, counts
 
     def submit_eval(self, iteration: int, version: int) -> None:
         fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens,
@@ -324,29 +362,38 @@ class _Driver:
             t_gen_done = time.time()
             for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
                 self.submit_generation(j)
-            rec = self.train_on(it, pend, results, t_iter, t_gen_done, rejected)
+            picked = dyn = None
+            if cfg.sampling.dynamic_sampling:
+                results, picked, dyn = self.fill_usable(it, results)
+                t_gen_done = time.time()
+            rec = self.train_on(it, pend, results, t_iter, t_gen_done, rejected, picked, dyn)
             if self.depth == 0:
                 self.submit_generation(it + 1)
             self.finish_iteration(rec, bar)
 
-    def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0) -> dict:
+    def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0, picked: list[Group] | None = None,
+                 dyn: dict | None = None) -> dict:
+        """Train on the batch (``picked``: dynamic sampling's usable groups; None: all of ``results``)."""
         cfg, s = self.cfg, self.cfg.sampling
         rollouts = [Rollout.from_dict(r) for res in results for r in res["rollouts"]]
         rollouts.sort(key=lambda r: (r.group_id, r.sample_idx))
-        want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
-        if [(r.group_id, r.sample_idx) for r in rollouts] != want:
-            raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
+        generated = _groups(results, s.group_size)
+        if picked is None:
+            want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
+            if [(r.group_id, r.sample_idx) for r in rollouts] != want:
+                raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
+            picked = generated
         version = self.state["version"]
-        lag = version - pend.version
+        lags = [version - g.version for g in picked] or [version - pend.version]
+        lag = max(lags)
         if lag > cfg.run.max_staleness:  # the loop regenerates too-stale batches before they get here
             raise RuntimeError(f"iteration {it}: a batch {lag} versions behind reached the trainer (max_staleness "
                                f"{cfg.run.max_staleness})")
-        kept = rollouts
-        n_groups = len(rollouts) // s.group_size
+        kept = [r for g in picked for r in g.payload]
+        n_groups = len(picked)
         rewards = torch.tensor([r.reward for r in kept], dtype=torch.float64)
         adv = group_advantages(rewards, s.group_size, scale=cfg.loss.adv_scale) if len(kept) else rewards
         samples = [(r.prompt_ids, r.completion_ids, r.logprobs, float(a)) for r, a in zip(kept, adv.tolist(), strict=True)]
-        spread = [max(g) > min(g) for g in (rewards[i : i + s.group_size].tolist() for i in range(0, len(kept), s.group_size))]
 
         t_train = time.time()
         stats = self.gang.step(samples, version, it, self.store) if samples else {}
@@ -364,9 +411,15 @@ class _Driver:
             spans.append({"name": "publish", "iteration": it, "start": r0["end"] - r0["publish_s"] - r0["checkpoint_s"],
                           "end": r0["end"]})
         n_rollouts = len(rollouts)
-        usable = sum(1 for a in adv.tolist() if a != 0)
+        usable = usable_samples(picked)
         iter_end = time.time()
         gen_s = max(r["end"] for r in results) - min(r["start"] for r in results)
+        # device-seconds: each rollout task's time on its worker, and the gang's wall time on every rank
+        gen_device_s = sum(r["end"] - r["start"] for r in results)
+        train_device_s = (t_train_end - t_train) * cfg.cluster.world_size if samples else 0.0
+        cost_s, cost = usable_cost(gen_device_s + train_device_s, usable, cfg.run.price_per_hour)
+        dyn = dyn or {"gen_batches": 1, "dropped_groups": 0, "carried_in_groups": 0, "carried_out_groups": 0,
+                      "expired_groups": 0}
         rec = {
             "iteration": it,
             "version": self.state["version"],
@@ -395,13 +448,23 @@ class _Driver:
             "tokens": stats.get("tokens"),
             "samples_nonzero_adv": stats.get("samples_nonzero_adv"),
             "staleness_max": lag,
-            "staleness_mean": float(lag),
+            "staleness_mean": sum(lags) / len(lags),
             "rejected_groups": rejected,
             "kept_groups": n_groups,
-            "zero_spread_groups": sum(not x for x in spread),
-            "all_zero_spread": bool(spread) and not any(spread),
+            "generated_groups": len(generated),
+            "zero_spread_groups": sum(not g.has_spread for g in generated),
+            "all_zero_spread": bool(generated) and not any(g.has_spread for g in generated),
             "usable_samples": usable,
+            "usable_tokens": sum(g.tokens for g in picked if g.has_spread),
+            "usable_share": usable_samples(generated) / max(1, n_rollouts),
             "usable_per_s": usable / max(1e-9, iter_end - t_iter),
+            "usable_cost_s": cost_s,
+            "usable_cost": cost,
+            "gen_device_s": gen_device_s,
+            "train_device_s": train_device_s,
+            "rollout_workers": len({r.get("worker") for r in results}),
+            "trained_groups": len(picked),
+            **dyn,
             "truncated": sum(r.truncated for r in rollouts),
             "completion_tokens": sum(len(r.completion_ids) for r in rollouts),
             "gen_s": gen_s,
@@ -499,6 +562,22 @@ class _Driver:
         }
         (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def _groups(results: list[dict], group_size: int) -> list[Group]:
+    """The groups of some rollout results (each result holds whole groups), in group order."""
+    by: dict[int, list[Rollout]] = {}
+    for res in results:
+        for d in res["rollouts"]:
+            r = Rollout.from_dict(d)
+            by.setdefault(r.group_id, []).append(r)
+    out = []
+    for gid in sorted(by):
+        rs = sorted(by[gid], key=lambda r: r.sample_idx)
+        if len(rs) != group_size:
+            raise RuntimeError(f"group {gid} has {len(rs)} completions, not group_size={group_size}")
+        out.append(Group(tuple(float(r.reward) for r in rs), rs[0].version, sum(len(r.completion_ids) for r in rs), rs))
+    return out
 
 
 def _finite(x):
