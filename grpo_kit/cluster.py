@@ -140,8 +140,9 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     cluster.scale(len(spec))  # no count change: applies the edited specs (SpecCluster._correct_state)
     deadline = time.time() + timeout
     while True:
-        found = workers_with(client, ROLLOUT)
-        if len(found) == n:
+        found = workers_with(client, ROLLOUT, warming=True)
+        if (len(found) == n and workers_with(client, ROLLOUT) == found
+                and all(a is True for a in client.run(engine_ready, workers=found, on_error="return").values())):
             return found
         if time.time() > deadline:
             raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
@@ -200,10 +201,12 @@ class ThreadsPlugin(WorkerPlugin):
             torch.set_num_threads(int(threads))
 
 
-def workers_with(client: Client, resource: str) -> list[str]:
-    """Addresses of the workers that advertise ``resource``, sorted."""
+def workers_with(client: Client, resource: str, warming: bool = False) -> list[str]:
+    """Addresses of the workers that advertise ``resource``, sorted; ``warming`` adds those that hold it
+    at 0 for now (a rollout worker whose engine is being built, :class:`EnginePlugin`)."""
     info = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
-    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource))
+    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource) or
+                  (warming and resource in w.get("resources", {})))
 
 
 def _accepts_n_workers(client: Client) -> bool:
@@ -249,9 +252,12 @@ class EnginePlugin(WorkerPlugin):
 
         self._engine = None
         self._lock = threading.Lock()
+        self.warm = threading.Event()  # set once the worker's engine is built and has sampled
         amount = worker.state.total_resources.get(ROLLOUT, 0)
         if amount:
             worker.loop.add_callback(self._warm_gated, worker, amount)
+        else:
+            self.warm.set()
 
     async def _warm_gated(self, worker, amount: float) -> None:
         import asyncio
@@ -262,7 +268,9 @@ class EnginePlugin(WorkerPlugin):
         except Exception:  # the first task raises the same error where a driver sees it
             log.exception("building the rollout engine failed on %s", worker.address)
         finally:
-            await worker.set_resources(**{ROLLOUT: amount})
+            self.warm.set()
+            if worker.status.name in ("running", "paused"):  # not when the worker closed meanwhile
+                await worker.set_resources(**{ROLLOUT: amount})
 
     def engine(self):
         with self._lock:  # a task that arrives during the warm-up waits for it, never builds twice
@@ -325,6 +333,13 @@ def engine_batch_seqs(cfg: Config) -> int:
     return min(MAX_ENGINE_SEQS, max(chunk, cfg.data.eval_size if cfg.run.eval_every else 1))
 
 
+def engine_ready(dask_worker) -> bool:
+    """Whether this worker is ready for rollout tasks: no engine registered, or its engine warm
+    (``client.run(engine_ready)``)."""
+    plugin = dask_worker.plugins.get(ENGINE_PLUGIN)
+    return plugin is None or (plugin.warm.is_set() and bool(dask_worker.state.total_resources.get(ROLLOUT)))
+
+
 def _engine():
     plugin = get_worker().plugins.get(ENGINE_PLUGIN)
     if plugin is None:
@@ -361,7 +376,7 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
     before the first iteration. Each task prefers its worker; if that worker leaves, another of the
     role runs it, so nothing waits on a dead worker. A failed build raises here, before any batch.
     Returns the seconds each part took on its worker."""
-    rollout = workers_with(client, ROLLOUT)
+    rollout = wait_until_warm(client)
     futures = {
         f"engine {w}": client.submit(warm_engine, workers=[w], allow_other_workers=True, resources={ROLLOUT: 1},
                                      key=f"{key}-warm-engine-{i}", pure=False)
@@ -373,6 +388,18 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
             key=f"{key}-warm-trainer-{spec.rank}", pure=False,
         )
     return dict(zip(futures, client.gather(list(futures.values())), strict=True))
+
+
+def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
+    """Wait until no rollout worker is still building its engine (:class:`EnginePlugin` holds its
+    ``rollout`` resource at 0 meanwhile); returns the rollout workers. (A task pinned to a worker that
+    lacks a resource, with ``allow_other_workers``, may otherwise be sent to a worker without the role.)"""
+    deadline = time.time() + timeout
+    while True:
+        warm, all_ = workers_with(client, ROLLOUT), workers_with(client, ROLLOUT, warming=True)
+        if warm == all_ or time.time() > deadline:
+            return warm
+        time.sleep(0.1)
 
 
 def prompt_format(cfg: Config) -> PromptFormat:
