@@ -700,9 +700,9 @@ def summarize(results: list[dict]) -> dict:
     out = dict(results[-1])
     for key in ("kit_time_to_target_s", "trl_time_to_target_s", "time_ratio", "kit_dynamic_time_to_target_s",
                 "time_ratio_dynamic", "kit_usable_share", "kit_dynamic_usable_share", "trl_frac_zero_std"):
-        vals = [r[key] for r in results if r[key] is not None]
+        vals = [r.get(key) for r in results if r.get(key) is not None]
         out[key] = statistics.median(vals) if len(vals) == len(results) else None
-        out[key + "_all"] = [r[key] for r in results]
+        out[key + "_all"] = [r.get(key) for r in results]
     out["repeats"] = len(results)
     return out
 
