@@ -290,7 +290,7 @@ class _Driver:
                 _seed(self.cfg.run.seed, iteration), offset + c, iteration,
                 key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
             )
-            futures.append(self.client.submit(cl.reward_task, gen, self.reward_kw, key=f"{self.key}-reward-{tag}",
+            futures.append(self.client.submit(cl.reward_task, gen, self.reward_kw, key=f"{self.key}-reward-{tag}-v{version}",
                                               retries=2, priority=priority))
         return futures
 
