@@ -128,13 +128,14 @@ class SamplingConfig:
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (verl: ``filter_groups``): groups whose completions all got the same
     reward (zero advantage, no policy gradient) are dropped before training, and generation
-    over-samples (and carries surplus usable groups to the next batch) so that the trainer gets
-    ``prompts_per_step`` groups with reward spread, within ``max_gen_batches``. With ``kl_beta > 0``
-    the dropped groups' KL gradient is lost (see ``grpo_kit.sampling``)."""
+    over-samples (the pipelined batch by the usable share seen so far, then extra rounds) and carries
+    surplus usable groups to the next batch, so that the trainer gets ``prompts_per_step`` groups
+    with reward spread, within ``max_gen_batches``. With ``kl_beta > 0`` the dropped groups' KL
+    gradient is lost (see ``grpo_kit.sampling``)."""
     max_gen_batches: int = 3
-    """With ``dynamic_sampling``: generation rounds per iteration at most (verl's
-    ``max_num_gen_batches``), the pipelined batch included; a batch still short after them trains on
-    the usable groups it has, and an iteration with none skips its optimizer step."""
+    """With ``dynamic_sampling``: prompts generated per iteration at most, in batches of
+    ``prompts_per_step`` (verl's ``max_num_gen_batches``); a batch still short then trains on the
+    usable groups it has, and an iteration with none skips its optimizer step."""
 
     def __post_init__(self) -> None:
         _check(self.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {self.max_gen_batches}")

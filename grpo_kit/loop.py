@@ -271,7 +271,15 @@ class _Driver:
         if iteration in self.pending or iteration >= self.cfg.run.iterations:
             return
         version = self.rollout_version(iteration) if version is None else version
-        self.pending[iteration] = _Pending(version, self.submit_round(iteration, 0, version))
+        s, n = self.cfg.sampling, None
+        if s.dynamic_sampling:  # over-sample by the usable share so far: this generation overlaps training
+            n = extra_prompts(s.prompts_per_step, self.usable_share_seen(), s.prompts_per_step * s.max_gen_batches)
+        self.pending[iteration] = _Pending(version, self.submit_round(iteration, 0, version, n))
+
+    def usable_share_seen(self, fresh: list[Group] = ()) -> float | None:
+        """Share of the groups generated so far (and ``fresh``) that had reward spread; None before any."""
+        usable, seen = self.groups_seen[0] + sum(g.has_spread for g in fresh), self.groups_seen[1] + len(fresh)
+        return usable / seen if seen else None
 
     def submit_round(self, iteration: int, round_: int, version: int, n: int | None = None, priority: int = 0) -> list:
         """Rollout + reward futures of one generation round, split over the rollout workers present now
@@ -296,17 +304,16 @@ class _Driver:
 
     def fill_usable(self, it: int, results: list[dict]) -> tuple[list[dict], list[Group], dict]:
         """Dynamic sampling: this batch's usable groups plus the carried ones, topped up by extra
-        generation rounds (at the current version, ahead of queued work) up to ``max_gen_batches``.
+        generation rounds (at the current version, ahead of queued work), up to ``max_gen_batches *
+        prompts_per_step`` prompts in all.
         Returns every round's results, the groups to train on, and the counts for the record."""
         s, version = self.cfg.sampling, self.state["version"]
         fresh = _groups(results, s.group_size)
         carried = len(self.carry)
         sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
-        rounds = 1
-        while len(sel.train) < s.prompts_per_step and rounds < s.max_gen_batches:
-            seen = [self.groups_seen[0] + sum(g.has_spread for g in fresh), self.groups_seen[1] + len(fresh)]
-            n = extra_prompts(s.prompts_per_step - len(sel.train), seen[0] / seen[1] if seen[1] else None,
-                              s.prompts_per_step)
+        rounds, bound = 1, s.prompts_per_step * s.max_gen_batches
+        while len(sel.train) < s.prompts_per_step and len(fresh) < bound:
+            n = extra_prompts(s.prompts_per_step - len(sel.train), self.usable_share_seen(fresh), bound - len(fresh))
             more = self.client.gather(self.submit_round(it, rounds, version, n, priority=10))
             results = results + more
             fresh += _groups(more, s.group_size)

@@ -7,7 +7,10 @@ Its *usable* samples are none; a group with reward spread contributes all of its
 Dynamic sampling (DAPO, verl's ``filter_groups``; ``SamplingConfig.dynamic_sampling``) drops the
 zero-spread groups before training and fills the batch with usable groups from more generation
 (:func:`extra_prompts` sizes each extra round) and from a carry-over of surplus usable groups
-(:func:`select_groups`), within ``max_gen_batches`` rounds per iteration and ``max_staleness``.
+(:func:`select_groups`), within ``max_gen_batches * prompts_per_step`` prompts per iteration and
+``max_staleness``. The pipelined batch itself is over-sampled by the usable share seen so far
+(:func:`extra_prompts` again), so that its generation, which overlaps the previous step's training,
+does most of the work and the extra rounds, which do not, are rare.
 
 What dropping changes in the objective. Per batch of ``N`` sequences with normalizer ``Z``
 (``loss_type`` grpo: ``N``; dr_grpo: ``N * max_len``; dapo: the batch's completion tokens), the loss
