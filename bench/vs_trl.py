@@ -21,7 +21,14 @@ start-up (model loads, engine builds) and evaluation off both clocks:
 - TRL: time since ``on_train_begin`` at the ``on_step_end`` of that step, minus the time spent in
   this bench's evaluation callback (the adapter saved at that step, evaluated in the process).
 
-The target is the smaller of the two final accuracies minus 2 points; each side's time to target is
+A third run, ``grpo-kit dynamic``, is the kit with dynamic sampling (``dynamic_sampling=True``:
+zero-spread groups dropped, extra generation rounds and carried-over groups keep the trainer fed with
+usable groups, up to ``--max-gen-batches`` rounds per step; its extra prompts come from the same
+training pool, drawn by the driver); ``--no-dynamic`` leaves it out. TRL's side is unchanged; its
+``frac_reward_zero_std`` (the share of groups without reward spread) is logged beside the kit's usable
+share (the share of its generated completions in groups with spread).
+
+The target is the smallest final accuracy of the runs minus 2 points; each side's time to target is
 the clock at its first checkpoint (after step 0) that reaches it. Timings on a shared 2-core VM vary
 by 10-30% from run to run, so the pair runs ``--repeats`` times (default 3), alternating which side
 goes first, and the headline figures are medians (each repeat's table is printed too). Prints each
@@ -96,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-alpha", type=int, default=tiny.lora.lora_alpha)
     ap.add_argument("--seed", type=int, default=tiny.run.seed)
     ap.add_argument("--out", default="runs/bench-vs-trl", help="run directory (kit/ and trl/ under it; replaced)")
-    ap.add_argument("--only", choices=("kit", "trl"), help="run one side only (debugging; no ratio)")
+    ap.add_argument("--only", choices=("kit", "dynamic", "trl"), help="run one side only (debugging; no ratio)")
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
@@ -109,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="run both sides this many times, alternating which goes first; headline figures are medians")
     ap.add_argument("--live-eval", action="store_true",
                     help="the kit evaluates inside its loop, on its rollout worker and on its clock")
+    ap.add_argument("--no-dynamic", action="store_true", help="leave out the kit run with dynamic sampling")
+    ap.add_argument("--max-gen-batches", type=int, default=tiny.sampling.max_gen_batches,
+                    help="the dynamic run's generation rounds per step at most")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():
@@ -138,6 +148,12 @@ def kit_config(args: argparse.Namespace) -> config.Config:
         lora_mode=args.lora_mode,
         run_dir=str(Path(args.out) / "kit"),
     )
+
+
+def dynamic_config(cfg: config.Config, max_gen_batches: int) -> config.Config:
+    """The kit's config with dynamic sampling on, in its own run directory."""
+    return cfg.override(dynamic_sampling=True, max_gen_batches=max_gen_batches,
+                        run_dir=str(Path(cfg.run.run_dir).with_name("kit-dynamic")))
 
 
 def training_prompts(cfg: config.Config) -> list[list[data.Problem]]:
@@ -268,7 +284,7 @@ def kit_checkpoints(records: list[dict], accs: dict[int, float] | None = None) -
 # ----------------------------------------------------------------------------- the two runs
 
 
-def run_kit(cfg: config.Config, progress: bool, live_eval: bool = False) -> SideResult:
+def run_kit(cfg: config.Config, progress: bool, live_eval: bool = False, name: str = "grpo-kit") -> SideResult:
     from dataclasses import replace
 
     from grpo_kit.adapters import AdapterStore
@@ -286,7 +302,11 @@ def run_kit(cfg: config.Config, progress: bool, live_eval: bool = False) -> Side
         t_eval = time.time()
         engine = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
         heldout = heldout_problems(cfg)
-        accs = {v: greedy_acc(engine, heldout, v, cfg.sampling.max_new_tokens) for v in checkpoint_steps(cfg)}
+        # dynamic sampling skips the optimizer step of an iteration without usable groups: versions
+        # (optimizer steps) can end below the iteration count
+        final_v = records[-1]["version"]
+        versions = sorted({v for v in checkpoint_steps(cfg) if v <= final_v} | {final_v})
+        accs = {v: greedy_acc(engine, heldout, v, cfg.sampling.max_new_tokens) for v in versions}
         engine.close()
         eval_s = time.time() - t_eval
     points, wall = kit_checkpoints(records, accs)
@@ -298,9 +318,23 @@ def run_kit(cfg: config.Config, progress: bool, live_eval: bool = False) -> Side
         "kit_reward_first": first["reward_mean"],
         "kit_reward_last": records[-1]["reward_mean"],
         "kit_rejected_groups": res.summary.get("rejected_groups"),
+        "kit_usable_share": _mean(r.get("usable_share") for r in records),
+        "kit_usable_cost_s": _mean(r.get("usable_cost_s") for r in records),
+        "kit_steps": records[-1]["version"],
     }
-    completions = sum((r["kept_groups"] + r["rejected_groups"]) * cfg.sampling.group_size for r in records)
-    return SideResult("grpo-kit", points, completions, wall, extra)
+    if cfg.sampling.dynamic_sampling:
+        extra = {k.replace("kit_", "kit_dynamic_", 1): v for k, v in extra.items()}
+        extra["kit_dynamic_gen_batches_mean"] = _mean(r.get("gen_batches") for r in records)
+        extra["kit_dynamic_dropped_groups"] = sum(r.get("dropped_groups", 0) for r in records)
+        extra["kit_dynamic_max_gen_batches"] = cfg.sampling.max_gen_batches
+    completions = sum((r.get("generated_groups", r["kept_groups"]) + r["rejected_groups"]) * cfg.sampling.group_size
+                      for r in records)
+    return SideResult(name, points, completions, wall, extra)
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
 
 
 def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
@@ -426,6 +460,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
         "trl_eval_s": cb.eval_s + cb.base_eval_s,
         "trl_reward_first": logs[0]["reward"] if logs else None,
         "trl_reward_last": logs[-1]["reward"] if logs else None,
+        "trl_frac_zero_std": _mean(h.get("frac_reward_zero_std") for h in logs),
         "trl_version": __import__("trl").__version__,
     }
     engine.close()
@@ -453,54 +488,69 @@ def report(
     cross: dict,
     load: dict | None = None,
     live_eval: bool = False,
+    dyn: SideResult | None = None,
 ) -> dict:
-    finals = [r.final_acc for r in (kit, trl) if r is not None and r.final_acc is not None]
-    target = min(finals) - TARGET_MARGIN if len(finals) == 2 else None
+    sides = [r for r in (kit, dyn, trl) if r is not None]
+    finals = [r.final_acc for r in sides if r.final_acc is not None]
+    target = min(finals) - TARGET_MARGIN if len(finals) >= 2 and len(finals) == len(sides) else None
     ttt = {}
-    for r in (kit, trl):
-        if r is not None and target is not None:
+    for r in sides:
+        if target is not None:
             ttt[r.name] = time_to_target(r.checkpoints, target)
 
     def t_of(r):
         hit = ttt.get(r.name) if r is not None else None
         return None if hit is None else hit[1]
 
-    kit_t, trl_t = t_of(kit), t_of(trl)
+    kit_t, trl_t, dyn_t = t_of(kit), t_of(trl), t_of(dyn)
     ratio = kit_t / trl_t if kit_t is not None and trl_t else None
+    ratio_dyn = dyn_t / trl_t if dyn_t is not None and trl_t else None
 
     print("\ndifferences between the two runs:")
     for d in diffs:
         print(f"  - {d}")
 
     print("\nheld-out greedy accuracy at each checkpoint (step: training seconds / accuracy):")
-    steps = sorted({c[0] for r in (kit, trl) if r is not None for c in r.checkpoints})
-    by = {r.name: {c[0]: c for c in r.checkpoints} for r in (kit, trl) if r is not None}
-    print(f"  {'step':>5} | {'grpo-kit s':>10} {'acc':>6} | {'TRL s':>10} {'acc':>6}")
+    cols = [(r.name, r) for r in (kit, dyn, trl) if r is not None] or [("grpo-kit", None), ("TRL", None)]
+    steps = sorted({c[0] for r in sides for c in r.checkpoints})
+    by = {r.name: {c[0]: c for c in r.checkpoints} for r in sides}
+    print("  " + f"{'step':>5} | " + " | ".join(f"{name + ' s':>16} {'acc':>6}" for name, _ in cols))
     for st in steps:
         cells = []
-        for name in ("grpo-kit", "TRL"):
+        for name, _ in cols:
             c = by.get(name, {}).get(st)
-            cells.append(f"{_fmt(c and c[1], '10.1f'):>10} {_fmt(c and c[2], '6.3f'):>6}")
-        print(f"  {st:>5} | {cells[0]} | {cells[1]}")
+            cells.append(f"{_fmt(c and c[1], '16.1f'):>16} {_fmt(c and c[2], '6.3f'):>6}")
+        print(f"  {st:>5} | " + " | ".join(cells))
 
-    print(f"\ntarget: {_fmt(target)} (smaller final accuracy minus {TARGET_MARGIN:.2f})")
-    print(f"  {'':<24} {'grpo-kit':>12} {'TRL':>12}")
+    print(f"\ntarget: {_fmt(target)} (smallest final accuracy minus {TARGET_MARGIN:.2f})")
+    print(f"  {'':<26}" + "".join(f"{name:>18}" for name, _ in cols))
+
+    def startup(r):
+        return r.extra.get("kit_startup_s", r.extra.get("kit_dynamic_startup_s", r.extra.get("trl_startup_s")))
+
+    def usable(r):
+        e = r.extra
+        if "trl_frac_zero_std" in e:
+            return None if e["trl_frac_zero_std"] is None else 1 - e["trl_frac_zero_std"]
+        return e.get("kit_usable_share", e.get("kit_dynamic_usable_share"))
+
     rows = [
-        ("base accuracy", [r and r.checkpoints and r.checkpoints[0][2] for r in (kit, trl)], ".3f"),
-        ("final accuracy", [r and r.final_acc for r in (kit, trl)], ".3f"),
-        ("time to target (s)", [kit_t, trl_t], ".1f"),
-        ("step reaching target", [ttt.get(n, (None,))[0] if ttt.get(n) else None for n in ("grpo-kit", "TRL")], "d"),
-        ("training wall (s)", [r and r.train_wall_s for r in (kit, trl)], ".1f"),
-        ("start-up, off clock (s)", [kit and kit.extra.get("kit_startup_s"), trl and trl.extra.get("trl_startup_s")],
-         ".1f"),
-        ("completions / s", [r and r.completions_per_s for r in (kit, trl)], ".2f"),
+        ("base accuracy", lambda r: r.checkpoints[0][2] if r.checkpoints else None, ".3f"),
+        ("final accuracy", lambda r: r.final_acc, ".3f"),
+        ("time to target (s)", t_of, ".1f"),
+        ("step reaching target", lambda r: ttt[r.name][0] if ttt.get(r.name) else None, "d"),
+        ("training wall (s)", lambda r: r.train_wall_s, ".1f"),
+        ("start-up, off clock (s)", startup, ".1f"),
+        ("completions / s", lambda r: r.completions_per_s, ".2f"),
+        ("usable share", usable, ".3f"),
     ]
-    for label, vals, spec in rows:
-        print(
-            f"  {label:<24} {_fmt(vals[0] if vals[0] is not None else None, spec):>12} "
-            f"{_fmt(vals[1] if vals[1] is not None else None, spec):>12}"
-        )
+    for label, get, spec in rows:
+        print(f"  {label:<26}" + "".join(f"{(_fmt(get(r), spec) if r is not None else '-'):>18}" for _, r in cols))
+    print("  (usable share: the kit's generated completions in groups with reward spread; TRL's 1 - "
+          "frac_reward_zero_std, its groups with spread)")
     print(f"  time ratio grpo-kit / TRL: {_fmt(ratio)} (goal <= 0.5)")
+    if dyn is not None:
+        print(f"  time ratio grpo-kit dynamic sampling / TRL: {_fmt(ratio_dyn)} (goal <= 0.7)")
     if target is not None:
         base = [r.checkpoints[0][2] for r in (kit, trl) if r.checkpoints and r.checkpoints[0][0] == 0]
         if base and min(base) >= target:
@@ -510,8 +560,7 @@ def report(
             )
     first_hit = bool(ttt) and all(
         hit is not None and hit[0] == min((c[0] for c in r.checkpoints if c[0] > 0), default=None)
-        for r in (kit, trl)
-        if r is not None
+        for r in sides
         for hit in [ttt.get(r.name)]
     )
     if first_hit:
@@ -538,7 +587,13 @@ def report(
         "kit_time_to_target_s": kit_t,
         "trl_time_to_target_s": trl_t,
         "time_ratio": ratio,
+        "kit_dynamic_time_to_target_s": dyn_t,
+        "time_ratio_dynamic": ratio_dyn,
+        "kit_usable_share": kit.extra.get("kit_usable_share") if kit else None,
+        "kit_dynamic_usable_share": dyn.extra.get("kit_dynamic_usable_share") if dyn else None,
+        "trl_frac_zero_std": trl.extra.get("trl_frac_zero_std") if trl else None,
         "kit_final_acc": kit.final_acc if kit else None,
+        "kit_dynamic_final_acc": dyn.final_acc if dyn else None,
         "trl_final_acc": trl.final_acc if trl else None,
         "target_acc": target,
         "kit_base_acc": kit.checkpoints[0][2] if kit and kit.checkpoints else None,
@@ -548,9 +603,11 @@ def report(
         "kit_train_wall_s": kit.train_wall_s if kit else None,
         "trl_train_wall_s": trl.train_wall_s if trl else None,
         "kit_checkpoints": kit.checkpoints if kit else None,
+        "kit_dynamic_checkpoints": dyn.checkpoints if dyn else None,
         "trl_checkpoints": trl.checkpoints if trl else None,
         **cross,
         **(kit.extra if kit else {}),
+        **(dyn.extra if dyn else {}),
         **(trl.extra if trl else {}),
         "bench_wall_s": bench_s,
         "target_at_first_checkpoint": first_hit,
@@ -577,6 +634,7 @@ def report(
             "kit_lora_mode": s.lora_mode,
             "kit_live_eval": live_eval,
             "kit_pipelined": cfg.run.pipelined,
+            "kit_dynamic_max_gen_batches": dyn.extra.get("kit_dynamic_max_gen_batches") if dyn else None,
             "cpus": cpus,
         },
         "differences": diffs,
@@ -589,7 +647,7 @@ def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: i
     """One kit run and one TRL run (in the given order), reported; returns the report's dict."""
     t0 = time.time()
     progress = not args.no_progress
-    kit = trl = None
+    kit = trl = dyn = None
     cross, load = {}, {}
 
     def kit_side():
@@ -610,7 +668,17 @@ def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: i
         trl = run_trl(cfg, out, progress)
         load["trl_end"] = _load()
 
-    sides = [s for s, name in ((kit_side, "kit"), (trl_side, "trl")) if args.only in (None, name)]
+    def dyn_side():
+        nonlocal dyn
+        dcfg = dynamic_config(cfg, args.max_gen_batches)
+        print(f"[grpo-kit dynamic] the same with dynamic_sampling=True, max_gen_batches={args.max_gen_batches}",
+              flush=True)
+        load["kit_dynamic_start"] = _load()
+        dyn = run_kit(dcfg, progress, args.live_eval, name="grpo-kit dynamic")
+        load["kit_dynamic_end"] = _load()
+
+    named = ((kit_side, "kit"), (dyn_side, "dynamic"), (trl_side, "trl"))
+    sides = [s for s, name in named if args.only in (None, name) and not (name == "dynamic" and args.no_dynamic)]
     for side in sides if kit_first else sides[::-1]:
         side()
     if kit is not None and trl is not None and args.live_eval:
@@ -620,7 +688,7 @@ def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: i
         eng = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
         cross["kit_final_acc_hf"] = greedy_acc(eng, heldout_problems(cfg), final_v, cfg.sampling.max_new_tokens)
         eng.close()
-    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval)
+    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval, dyn)
     result["kit_first"] = kit_first
     return result
 
@@ -630,10 +698,11 @@ def summarize(results: list[dict]) -> dict:
     import statistics
 
     out = dict(results[-1])
-    for key in ("kit_time_to_target_s", "trl_time_to_target_s", "time_ratio"):
-        vals = [r[key] for r in results if r[key] is not None]
+    for key in ("kit_time_to_target_s", "trl_time_to_target_s", "time_ratio", "kit_dynamic_time_to_target_s",
+                "time_ratio_dynamic", "kit_usable_share", "kit_dynamic_usable_share", "trl_frac_zero_std"):
+        vals = [r.get(key) for r in results if r.get(key) is not None]
         out[key] = statistics.median(vals) if len(vals) == len(results) else None
-        out[key + "_all"] = [r[key] for r in results]
+        out[key + "_all"] = [r.get(key) for r in results]
     out["repeats"] = len(results)
     return out
 
@@ -658,6 +727,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\nover {args.repeats} repeats (alternating which side runs first): time ratio grpo-kit / TRL "
               f"median {_fmt(result['time_ratio'])} (each: {ratios}); time to target median "
               f"{_fmt(result['kit_time_to_target_s'], '.1f')} s against {_fmt(result['trl_time_to_target_s'], '.1f')} s")
+        if not args.no_dynamic:
+            each = ", ".join(_fmt(r) for r in result["time_ratio_dynamic_all"])
+            print(f"with dynamic sampling: time ratio median {_fmt(result['time_ratio_dynamic'])} (each: {each}); "
+                  f"time to target median {_fmt(result['kit_dynamic_time_to_target_s'], '.1f')} s; usable share "
+                  f"kit {_fmt(result['kit_usable_share'])}, kit dynamic {_fmt(result['kit_dynamic_usable_share'])}, "
+                  f"TRL 1 - frac_reward_zero_std {_fmt(None if result['trl_frac_zero_std'] is None else 1 - result['trl_frac_zero_std'])}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     sys.stdout.flush()

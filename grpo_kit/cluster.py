@@ -127,6 +127,41 @@ def connect(
     return client
 
 
+def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
+    """Grow or shrink the rollout role of a :func:`connect` ``LocalCluster`` to ``n`` workers; the
+    trainer workers are untouched. New workers copy ``rollout-0``'s spec (and get the registered
+    plugins: the engine warms before the worker takes rollout tasks); removed ones, the newest first,
+    are retired gracefully (their running tasks are recomputed elsewhere if lost). Returns the rollout
+    workers' addresses once ``n`` of them advertise the role (a joining one only once it is warm)."""
+    cluster = client.cluster
+    if cluster is None or not hasattr(cluster, "worker_spec"):
+        raise TypeError("scale_rollout needs a SpecCluster started by cluster.connect(); scale other clusters "
+                        "with their own tools (dask-jobqueue: cluster.scale(jobs=...))")
+    if n < 1:
+        raise ValueError(f"the rollout role needs at least one worker, got n={n}")
+    spec = cluster.worker_spec
+    names = sorted((k for k in spec if str(k).startswith(f"{ROLLOUT}-")), key=lambda k: int(str(k).rsplit("-", 1)[1]))
+    if not names:
+        raise ValueError("this cluster has no rollout-<i> worker spec to copy")
+    template, nxt = spec[names[0]], int(str(names[-1]).rsplit("-", 1)[1]) + 1
+    while len(names) < n:
+        spec[f"{ROLLOUT}-{nxt}"] = {"cls": template["cls"], "options": dict(template["options"])}
+        names.append(f"{ROLLOUT}-{nxt}")
+        nxt += 1
+    while len(names) > n:
+        del spec[names.pop()]
+    cluster.scale(len(spec))  # no count change: applies the edited specs (SpecCluster._correct_state)
+    deadline = time.time() + timeout
+    while True:
+        found = workers_with(client, ROLLOUT, warming=True)
+        if (len(found) == n and workers_with(client, ROLLOUT) == found
+                and all(a is True for a in client.run(engine_ready, workers=found, on_error="return").values())):
+            return found
+        if time.time() > deadline:
+            raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
+        time.sleep(0.2)
+
+
 def _visible_gpus() -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -185,10 +220,12 @@ class ThreadsPlugin(WorkerPlugin):
             torch.set_num_threads(int(threads))
 
 
-def workers_with(client: Client, resource: str) -> list[str]:
-    """Addresses of the workers that advertise ``resource``, sorted."""
+def workers_with(client: Client, resource: str, warming: bool = False) -> list[str]:
+    """Addresses of the workers that advertise ``resource``, sorted; ``warming`` adds those that hold it
+    at 0 for now (a rollout worker whose engine is being built, :class:`EnginePlugin`)."""
     info = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
-    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource))
+    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource) or
+                  (warming and resource in w.get("resources", {})))
 
 
 def _accepts_n_workers(client: Client) -> bool:
@@ -215,7 +252,13 @@ def wait_for_role(client: Client, resource: str, n: int, timeout: float = 120) -
 
 
 class EnginePlugin(WorkerPlugin):
-    """A warm rollout engine, built lazily in each rollout worker and reused across tasks."""
+    """A warm rollout engine in each rollout worker, reused across tasks.
+
+    Registered with ``client.register_plugin``, so the scheduler also installs it on every worker that
+    joins later. On a rollout worker, :meth:`setup` builds the engine in a background thread with the
+    worker's ``rollout`` resource set to 0, and restores it when the engine is built and has sampled
+    once: a worker that joins mid-run gets no rollout task until it is warm (the elastic fleet).
+    """
 
     def __init__(self, kind: str, model_path: str, store_root: str, storage_options: dict | None, engine_kwargs: dict):
         self.kind, self.model_path = kind, model_path
@@ -224,13 +267,37 @@ class EnginePlugin(WorkerPlugin):
         self._engine = None
 
     def setup(self, worker):
+        import threading
+
         self._engine = None
+        self._lock = threading.Lock()
+        self.warm = threading.Event()  # set once the worker's engine is built and has sampled
+        self.warm_s = 0.0  # seconds that took (build included)
+        amount = worker.state.total_resources.get(ROLLOUT, 0)
+        if amount:
+            worker.loop.add_callback(self._warm_gated, worker, amount)
+        else:
+            self.warm.set()
+
+    async def _warm_gated(self, worker, amount: float) -> None:
+        import asyncio
+
+        await worker.set_resources(**{ROLLOUT: 0})
+        try:
+            self.warm_s = await asyncio.to_thread(warm_engine, engine=self.engine)
+        except Exception:  # the first task raises the same error where a driver sees it
+            log.exception("building the rollout engine failed on %s", worker.address)
+        finally:
+            self.warm.set()
+            if worker.status.name in ("running", "paused"):  # not when the worker closed meanwhile
+                await worker.set_resources(**{ROLLOUT: amount})
 
     def engine(self):
-        if self._engine is None:
-            store = AdapterStore(self.store_root, self.storage_options)
-            self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
-        return self._engine
+        with self._lock:  # a task that arrives during the warm-up waits for it, never builds twice
+            if self._engine is None:
+                store = AdapterStore(self.store_root, self.storage_options)
+                self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
+            return self._engine
 
     def teardown(self, worker):
         if self._engine is not None:
@@ -288,6 +355,13 @@ def engine_batch_seqs(cfg: Config) -> int:
     return min(MAX_ENGINE_SEQS, max(chunk, cfg.data.eval_size if cfg.run.eval_every else 1))
 
 
+def engine_ready(dask_worker) -> bool:
+    """Whether this worker is ready for rollout tasks: no engine registered, or its engine warm
+    (``client.run(engine_ready)``)."""
+    plugin = dask_worker.plugins.get(ENGINE_PLUGIN)
+    return plugin is None or (plugin.warm.is_set() and bool(dask_worker.state.total_resources.get(ROLLOUT)))
+
+
 def _engine():
     plugin = get_worker().plugins.get(ENGINE_PLUGIN)
     if plugin is None:
@@ -310,12 +384,15 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
 WARM_PROBLEM = Problem(id="warm-up", question="1 + 1 = ?", gold="2")
 
 
-def warm_engine(n: int = 4, max_new_tokens: int = 8) -> float:
+def warm_engine(n: int = 4, max_new_tokens: int = 8, engine=None) -> float:
     """Build this worker's engine and sample once from the base model (a task run before the first
-    batch: first calls pay one-off kernel set-up); returns the seconds it took."""
+    batch: first calls pay one-off kernel set-up); returns the seconds it took, plus those of the
+    plugin's own warm-up when it built the engine first. ``engine``: a callable returning the engine
+    (default: the registered plugin's)."""
     t0 = time.time()
-    _engine().generate([WARM_PROBLEM], n, 0, max_new_tokens=max_new_tokens, seed=0)
-    return time.time() - t0
+    (engine or _engine)().generate([WARM_PROBLEM], n, 0, max_new_tokens=max_new_tokens, seed=0)
+    plugin = None if engine else get_worker().plugins.get(ENGINE_PLUGIN)
+    return time.time() - t0 + (plugin.warm_s if plugin is not None else 0.0)
 
 
 def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
@@ -323,7 +400,7 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
     before the first iteration. Each task prefers its worker; if that worker leaves, another of the
     role runs it, so nothing waits on a dead worker. A failed build raises here, before any batch.
     Returns the seconds each part took on its worker."""
-    rollout = workers_with(client, ROLLOUT)
+    rollout = wait_until_warm(client)
     futures = {
         f"engine {w}": client.submit(warm_engine, workers=[w], allow_other_workers=True, resources={ROLLOUT: 1},
                                      key=f"{key}-warm-engine-{i}", pure=False)
@@ -335,6 +412,18 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
             key=f"{key}-warm-trainer-{spec.rank}", pure=False,
         )
     return dict(zip(futures, client.gather(list(futures.values())), strict=True))
+
+
+def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
+    """Wait until no rollout worker is still building its engine (:class:`EnginePlugin` holds its
+    ``rollout`` resource at 0 meanwhile); returns the rollout workers. (A task pinned to a worker that
+    lacks a resource, with ``allow_other_workers``, may otherwise be sent to a worker without the role.)"""
+    deadline = time.time() + timeout
+    while True:
+        warm, all_ = workers_with(client, ROLLOUT), workers_with(client, ROLLOUT, warming=True)
+        if warm == all_ or time.time() > deadline:
+            return warm
+        time.sleep(0.1)
 
 
 def prompt_format(cfg: Config, instruction: str = DEFAULT_INSTRUCTION) -> PromptFormat:

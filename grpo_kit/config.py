@@ -153,8 +153,20 @@ class SamplingConfig:
     """How the vLLM engine applies an adapter version: ``"request"`` (a LoRARequest per call),
     ``"merged"`` (base + B A loaded into the weights when the version changes), or ``"auto"``
     (merged on CPU, where vLLM's LoRA path was 2.5x slower; request on GPU)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (verl: ``filter_groups``): groups whose completions all got the same
+    reward (zero advantage, no policy gradient) are dropped before training, and generation
+    over-samples (the pipelined batch by the usable share seen so far, then extra rounds) and carries
+    surplus usable groups to the next batch, so that the trainer gets ``prompts_per_step`` groups
+    with reward spread, within ``max_gen_batches``. With ``kl_beta > 0`` the dropped groups' KL
+    gradient is lost (see ``grpo_kit.sampling``)."""
+    max_gen_batches: int = 3
+    """With ``dynamic_sampling``: prompts generated per iteration at most, in batches of
+    ``prompts_per_step`` (verl's ``max_num_gen_batches``); a batch still short then trains on the
+    usable groups it has, and an iteration with none skips its optimizer step."""
 
     def __post_init__(self) -> None:
+        _check(self.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
         _check(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
         _check(self.group_size >= 2, f"group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
@@ -331,6 +343,9 @@ class RunConfig:
     """Where metrics.jsonl, checkpoints and the report go (any fsspec URL for the store)."""
     store_url: str | None = None
     """Adapter store root (local dir or s3://...); None means ``<run_dir>/store``."""
+    price_per_hour: float = 0.0
+    """Price of one device-hour (a rollout or trainer worker), in any currency: the records then give
+    the cost of a usable sample in money (``usable_cost``) beside its device-seconds; 0 leaves it out."""
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
@@ -340,6 +355,7 @@ class RunConfig:
         _check(self.staleness_policy in STALENESS_POLICIES,
                f"staleness_policy must be one of {STALENESS_POLICIES}, got {self.staleness_policy!r}")
         _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        _check(self.price_per_hour >= 0, f"price_per_hour must be >= 0, got {self.price_per_hour}")
 
     @property
     def depth(self) -> int:

@@ -40,9 +40,9 @@ from . import cluster as cl
 from . import preflight, tasks
 from .adapters import AdapterStore
 from .config import Config
-from .loss import group_advantages
 from .models import resolve_model
 from .rollout import RolloutSummary
+from .sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
 from .tasks import Task
 from .trainer import RankSpec
 
@@ -151,7 +151,7 @@ def run(
         )
     metrics_path = run_dir / "metrics.jsonl"
     samples_path = run_dir / "samples.jsonl"
-    run_id = _run_id(cfg, store.root, task)
+    run_id = run_id_for(cfg, store.root, task)
     gang = None
 
     try:
@@ -216,10 +216,11 @@ def run(
                 cluster.close()
 
 
-def _run_id(cfg: Config, store_root: str, task: Task) -> str:
+def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
     """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
     d = {**cfg.to_dict(), "task": task.describe()}
-    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every")}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
+                                                         "price_per_hour")}
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -294,11 +295,15 @@ class _Driver:
         self.scorer = scorer
         # scoring runs on workers with the reward resource where there are any, else anywhere
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
+        self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch (not resumed)
+        self.groups_seen = [0, 0]  # dynamic sampling: usable and all groups generated so far
 
     # ------------------------------------------------------------------ submission
-    def problems_for(self, iteration: int):
-        rng = random.Random(_seed(self.cfg.run.seed, "prompts", iteration))
-        return rng.sample(self.train_pool, self.cfg.sampling.prompts_per_step)
+    def problems_for(self, iteration: int, round_: int = 0, n: int | None = None):
+        """The prompts of ``iteration``'s batch; dynamic sampling's extra rounds (``round_`` >= 1) draw
+        ``n`` others from their own seed."""
+        parts = (self.cfg.run.seed, "prompts", iteration) + ((round_,) if round_ else ())
+        return random.Random(_seed(*parts)).sample(self.train_pool, n or self.cfg.sampling.prompts_per_step)
 
     def rollout_version(self, iteration: int) -> int:
         """The adapter version that generates ``iteration``'s batch. Pacing: the trainer's version
@@ -312,24 +317,68 @@ class _Driver:
     def submit_generation(self, iteration: int, version: int | None = None) -> None:
         if iteration in self.pending or iteration >= self.cfg.run.iterations:
             return
-        s = self.cfg.sampling
         version = self.rollout_version(iteration) if version is None else version
-        probs = self.problems_for(iteration)
-        per = math.ceil(len(probs) / self.chunks)
+        s, n = self.cfg.sampling, None
+        if s.dynamic_sampling:  # over-sample by the usable share so far: this generation overlaps training
+            n = extra_prompts(s.prompts_per_step, self.usable_share_seen(), s.prompts_per_step * s.max_gen_batches)
+        self.pending[iteration] = _Pending(version, *self.submit_round(iteration, 0, version, n))
+
+    def usable_share_seen(self, fresh: list[Group] = ()) -> float | None:
+        """Share of the groups generated so far (and ``fresh``) that had reward spread; None before any."""
+        usable, seen = self.groups_seen[0] + sum(g.has_spread for g in fresh), self.groups_seen[1] + len(fresh)
+        return usable / seen if seen else None
+
+    def submit_round(self, iteration: int, round_: int, version: int, n: int | None = None,
+                     priority: int = 0) -> tuple[list, list]:
+        """One generation round, split over the rollout workers present now (at least
+        ``n_rollout_workers`` chunks: workers that joined mid-run get a share from here on). Returns the
+        futures of the chunks' summaries (what the driver gathers) and of the scored chunks (which stay
+        on the workers until the trainer ranks fetch them)."""
+        s = self.cfg.sampling
+        probs = self.problems_for(iteration, round_, n)
+        live = len(cl.workers_with(self.client, cl.ROLLOUT))
+        per = math.ceil(len(probs) / max(1, min(len(probs), max(self.chunks, live))))
+        offset = round_ * s.prompts_per_step * s.max_gen_batches  # distinct group ids (and seeds) per round
         futures, scored = [], []
         for c in range(0, len(probs), per):
             chunk = [cl.problem_dict(p) for p in probs[c : c + per]]
-            key = f"{self.key}-rollout-{iteration}-{c}-v{version}"
+            tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "")
             gen = self.client.submit(
                 cl.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, iteration), c, iteration,
-                key=key, resources={cl.ROLLOUT: 1}, retries=2,
+                _seed(self.cfg.run.seed, iteration), offset + c, iteration,
+                key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
             )
-            scored.append(self.client.submit(cl.reward_task, gen, chunk, c, self.scorer, key=f"{self.key}-reward-{iteration}-{c}",
-                                             resources=self.reward_resources, retries=2))
-            futures.append(self.client.submit(cl.summary_task, scored[-1], key=f"{self.key}-summary-{iteration}-{c}",
-                                              retries=2))
-        self.pending[iteration] = _Pending(version, futures, scored)
+            scored.append(self.client.submit(cl.reward_task, gen, chunk, offset + c, self.scorer,
+                                             key=f"{self.key}-reward-{tag}-v{version}", resources=self.reward_resources,
+                                             retries=2, priority=priority))
+            futures.append(self.client.submit(cl.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
+                                              retries=2, priority=priority))
+        return futures, scored
+
+    def fill_usable(self, it: int, results: list[dict], scored: list) -> tuple[list[dict], list[Group], dict]:
+        """Dynamic sampling: this batch's usable groups plus the carried ones, topped up by extra
+        generation rounds (at the current version, ahead of queued work), up to ``max_gen_batches *
+        prompts_per_step`` prompts in all.
+        Returns every round's summaries, the groups to train on, and the counts for the record."""
+        s, version = self.cfg.sampling, self.state["version"]
+        fresh = _groups(results, scored, s.group_size)
+        carried = len(self.carry)
+        sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
+        rounds, bound = 1, s.prompts_per_step * s.max_gen_batches
+        while len(sel.train) < s.prompts_per_step and len(fresh) < bound:
+            n = extra_prompts(s.prompts_per_step - len(sel.train), self.usable_share_seen(fresh), bound - len(fresh))
+            more_f, more_scored = self.submit_round(it, rounds, version, n, priority=10)
+            more = self.client.gather(more_f)
+            results = results + more
+            fresh += _groups(more, more_scored, s.group_size)
+            rounds += 1
+            sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
+        self.groups_seen[0] += sum(g.has_spread for g in fresh)
+        self.groups_seen[1] += len(fresh)
+        self.carry = sel.carry
+        counts = {"gen_batches": rounds, "dropped_groups": sel.dropped, "carried_in_groups": carried,
+                  "carried_out_groups": len(sel.carry), "expired_groups": sel.expired}
+        return results, sel.train, counts
 
     def submit_eval(self, iteration: int, version: int) -> None:
         fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
@@ -374,28 +423,37 @@ class _Driver:
             t_gen_done = time.time()
             for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
                 self.submit_generation(j)
-            rec = self.train_on(it, pend, results, t_iter, t_gen_done, rejected)
+            picked = dyn = None
+            if cfg.sampling.dynamic_sampling:
+                results, picked, dyn = self.fill_usable(it, results, pend.scored)
+                t_gen_done = time.time()
+            rec = self.train_on(it, pend, results, t_iter, t_gen_done, rejected, picked, dyn)
             if self.depth == 0:
                 self.submit_generation(it + 1)
             self.finish_iteration(rec, bar)
 
-    def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0) -> dict:
+    def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0, picked: list[Group] | None = None,
+                 dyn: dict | None = None) -> dict:
+        """Train on the batch (``picked``: dynamic sampling's usable groups; None: all of ``results``)."""
         cfg, s = self.cfg, self.cfg.sampling
-        rollouts, picks = _summaries(results)
-        want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
-        if [(r.group_id, r.sample_idx) for r in rollouts] != want:
-            raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
+        rollouts = _summaries(results)
+        if picked is None:
+            generated = _groups(results, pend.scored, s.group_size)
+            want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
+            if [(r.group_id, r.sample_idx) for r in rollouts] != want:
+                raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
+            picked = generated
+        else:
+            generated = _groups(results, None, s.group_size)
         version = self.state["version"]
-        lag = version - pend.version
+        lags = [version - g.version for g in picked] or [version - pend.version]
+        lag = max(lags)
         if lag > cfg.run.max_staleness:  # the loop regenerates too-stale batches before they get here
             raise RuntimeError(f"iteration {it}: a batch {lag} versions behind reached the trainer (max_staleness "
                                f"{cfg.run.max_staleness})")
-        kept = rollouts
-        n_groups = len(rollouts) // s.group_size
-        rewards = torch.tensor([r.reward for r in kept], dtype=torch.float64)
-        adv = group_advantages(rewards, s.group_size, scale=cfg.loss.adv_scale) if len(kept) else rewards
-        batch = cl.RolloutBatch(pend.scored, picks, s.group_size)  # the ranks fetch the tokens themselves
-        spread = [max(g) > min(g) for g in (rewards[i : i + s.group_size].tolist() for i in range(0, len(kept), s.group_size))]
+        n_groups = len(picked)
+        # by reference: the ranks fetch the tokens and take the advantages from the same rewards
+        batch = _batch(picked, s.group_size)
 
         t_train = time.time()
         stats = self.gang.step(batch, version, it, self.store) if batch else {}
@@ -413,9 +471,15 @@ class _Driver:
             spans.append({"name": "publish", "iteration": it, "start": r0["end"] - r0["publish_s"] - r0["checkpoint_s"],
                           "end": r0["end"]})
         n_rollouts = len(rollouts)
-        usable = sum(1 for a in adv.tolist() if a != 0)
+        usable = usable_samples(picked)
         iter_end = time.time()
         gen_s = max(r["end"] for r in results) - min(r["start"] for r in results)
+        # device-seconds: each rollout task's time on its worker, and the gang's wall time on every rank
+        gen_device_s = sum(r["end"] - r["start"] for r in results)
+        train_device_s = (t_train_end - t_train) * cfg.cluster.world_size if batch else 0.0
+        cost_s, cost = usable_cost(gen_device_s + train_device_s, usable, cfg.run.price_per_hour)
+        dyn = dyn or {"gen_batches": 1, "dropped_groups": 0, "carried_in_groups": 0, "carried_out_groups": 0,
+                      "expired_groups": 0}
         rec = {
             "iteration": it,
             "version": self.state["version"],
@@ -448,13 +512,23 @@ class _Driver:
             "tokens": stats.get("tokens"),
             "samples_nonzero_adv": stats.get("samples_nonzero_adv"),
             "staleness_max": lag,
-            "staleness_mean": float(lag),
+            "staleness_mean": sum(lags) / len(lags),
             "rejected_groups": rejected,
             "kept_groups": n_groups,
-            "zero_spread_groups": sum(not x for x in spread),
-            "all_zero_spread": bool(spread) and not any(spread),
+            "generated_groups": len(generated),
+            "zero_spread_groups": sum(not g.has_spread for g in generated),
+            "all_zero_spread": bool(generated) and not any(g.has_spread for g in generated),
             "usable_samples": usable,
+            "usable_tokens": sum(g.tokens for g in picked if g.has_spread),
+            "usable_share": usable_samples(generated) / max(1, n_rollouts),
             "usable_per_s": usable / max(1e-9, iter_end - t_iter),
+            "usable_cost_s": cost_s,
+            "usable_cost": cost,
+            "gen_device_s": gen_device_s,
+            "train_device_s": train_device_s,
+            "rollout_workers": len({r.get("worker") for r in results}),
+            "trained_groups": len(picked),
+            **dyn,
             "truncated": sum(r.truncated for r in rollouts),
             "completion_tokens": sum(r.completion_tokens for r in rollouts),
             "gen_s": gen_s,
@@ -565,12 +639,41 @@ def _component_means(rollouts: list[RolloutSummary]) -> dict:
     return out
 
 
-def _summaries(results: list[dict]) -> tuple[list[RolloutSummary], list[tuple[int, int]]]:
-    """The chunks' rollout summaries in training order (group, then sample), each with where its
-    tokens are: ``(chunk index, rollout index)`` in the scored chunks."""
-    rows = [(RolloutSummary.from_dict(r), (c, i)) for c, res in enumerate(results) for i, r in enumerate(res["rollouts"])]
-    rows.sort(key=lambda x: (x[0].group_id, x[0].sample_idx))
-    return [r for r, _ in rows], [p for _, p in rows]
+def _summaries(results: list[dict]) -> list[RolloutSummary]:
+    """The chunks' rollout summaries in training order (group, then sample)."""
+    rows = [RolloutSummary.from_dict(r) for res in results for r in res["rollouts"]]
+    return sorted(rows, key=lambda r: (r.group_id, r.sample_idx))
+
+
+def _groups(results: list[dict], scored: list | None, group_size: int) -> list[Group]:
+    """The groups of some chunks' summaries (each chunk holds whole groups), in group order. Each
+    group's payload is its completions as ``(summary, scored chunk future, index in that chunk)``:
+    where the trainer ranks will fetch the tokens from (``scored`` None: no futures, records only)."""
+    by: dict[int, list] = {}
+    for c, res in enumerate(results):
+        for i, d in enumerate(res["rollouts"]):
+            r = RolloutSummary.from_dict(d)
+            by.setdefault(r.group_id, []).append((r, None if scored is None else scored[c], i))
+    out = []
+    for gid in sorted(by):
+        rs = sorted(by[gid], key=lambda x: x[0].sample_idx)
+        if len(rs) != group_size:
+            raise RuntimeError(f"group {gid} has {len(rs)} completions, not group_size={group_size}")
+        out.append(Group(tuple(float(r.reward) for r, _, _ in rs), rs[0][0].version,
+                         sum(r.completion_tokens for r, _, _ in rs), rs))
+    return out
+
+
+def _batch(groups: list[Group], group_size: int) -> cl.RolloutBatch:
+    """The training batch of ``groups`` by reference: the scored chunks they live in and where."""
+    futures, index, picks = [], {}, []
+    for g in groups:
+        for _, fut, i in g.payload:
+            if fut.key not in index:
+                index[fut.key] = len(futures)
+                futures.append(fut)
+            picks.append((index[fut.key], i))
+    return cl.RolloutBatch(futures, picks, group_size)
 
 
 def _finite(x):

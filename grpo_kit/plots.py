@@ -53,6 +53,9 @@ COLORS = {
     "publish": _C[2],
     "eval": _C[3],
     "iteration": "#444444",
+    "usable": _C[2],
+    "cost": _C[4],
+    "workers": _C[6],
 }
 # The title sits at the top edge of the figure and the legend at its bottom edge, under the x axis
 # title: a legend that wraps onto more rows at a narrow width (JupyterLab's output area, the report
@@ -435,6 +438,33 @@ def timing_figure(records: Sequence[Record]) -> go.Figure:
     return fig
 
 
+def usable_figure(records: Sequence[Record]) -> go.Figure:
+    """Usable samples (completions in groups with reward spread): their share of what was generated
+    and the zero-spread groups dropped (dynamic sampling); the device-seconds (and money, given a
+    price) per usable sample beside the rollout workers that served the iteration."""
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
+                        specs=[[{"secondary_y": True}], [{"secondary_y": True}], [{}]],
+                        subplot_titles=("usable share of generated completions", "cost per usable sample",
+                                        "money per usable sample"))
+    xs, ys = _series(records, "dropped_groups")
+    fig.add_trace(go.Bar(x=xs, y=ys, name="dropped groups", marker_color=COLORS["rejected"], opacity=0.6),
+                  row=1, col=1, secondary_y=True)
+    fig.add_trace(_line(records, "usable_share", "usable share", COLORS["usable"]), row=1, col=1, secondary_y=False)
+    fig.add_trace(_line(records, "usable_cost_s", "device-s per usable sample", COLORS["cost"]), row=2, col=1,
+                  secondary_y=False)
+    fig.add_trace(_line(records, "rollout_workers", "rollout workers", COLORS["workers"], dash="dot",
+                        line_shape="hv"), row=2, col=1, secondary_y=True)
+    fig.add_trace(_line(records, "usable_cost", "money per usable sample", COLORS["cost"], dash="dash"), row=3, col=1)
+    _style(fig, "Usable samples and their cost", 760)
+    fig.update_xaxes(title_text="iteration", row=3, col=1)
+    fig.update_yaxes(title_text="share", range=[0, 1.05], row=1, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="groups", rangemode="tozero", showgrid=False, row=1, col=1, secondary_y=True)
+    fig.update_yaxes(title_text="device-s", rangemode="tozero", row=2, col=1, secondary_y=False)
+    fig.update_yaxes(title_text="workers", rangemode="tozero", dtick=1, showgrid=False, row=2, col=1, secondary_y=True)
+    fig.update_yaxes(title_text="price_per_hour units", rangemode="tozero", row=3, col=1)
+    return fig
+
+
 FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
     "reward": reward_figure,
     "drift": drift_figure,
@@ -442,6 +472,7 @@ FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
     "rewards": components_figure,
     "timeline": timeline_figure,
     "timing": timing_figure,
+    "usable": usable_figure,
 }
 """Figure builders by stable name; the report's div ids are ``fig-<name>``."""
 

@@ -13,7 +13,9 @@ The step issues the same collectives, in the same order, on every rank whatever 
 (empty, uneven, all advantages zero), so it cannot deadlock:
 
 1. all-reduce the normalizers (sequences, completion tokens, longest completion) of the whole batch;
-2. forward and backward each micro-batch of the rank's shard inside ``model.no_sync()``: local only;
+2. forward and backward each micro-batch of the rank's shard inside ``model.no_sync()``: local only
+   (with ``kl_beta == 0`` only the rows with a nonzero advantage: the others have no loss term, see
+   below, and a shard may become empty here);
 3. one 1-token forward through the DDP wrapper and a 0-scaled backward outside ``no_sync()``: this
    backward is the rank's single gradient all-reduce (the gradients accumulated in step 2 ride on it);
 4. clip, optimizer step; all-reduce the stats.
@@ -27,6 +29,14 @@ of forwards, whose number depends on the rank's shard, and uneven shards deadloc
 Because losses are normalized by global counts and DDP averages gradients over ranks, each rank
 backpropagates ``world_size * (local sum / global normalizer)``; the update then equals the
 single-process update on the whole batch for every ``loss_type``.
+
+Rows with advantage 0 (every row of a group without reward spread): their surrogate ``min(ratio * 0,
+clip(ratio) * 0)`` is 0 in value and gradient, so with ``kl_beta == 0`` they are skipped after the
+normalizers are counted (which keep them: the update is the one of the whole batch, exactly). The
+ratio, clip and weight stats then cover the trained tokens only (``tokens_trained``; ``tokens`` stays
+the batch's). With ``kl_beta > 0`` such a row still has the KL term's gradient, so every row is
+trained: skipping it would change the update (``SamplingConfig.dynamic_sampling`` drops those groups
+on purpose, and ``grpo_kit.sampling`` says what that changes).
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def __getitem__(self, rows: slice) -> TrainBatch:
+    def __getitem__(self, rows: slice | Tensor) -> TrainBatch:
         return TrainBatch(**{f.name: getattr(self, f.name)[rows] for f in fields(self)})
 
     def to(self, device: torch.device | str) -> TrainBatch:
@@ -263,7 +273,8 @@ def grpo_step(
     all-reduced and identical on every rank: ``loss``, ``ratio_mean/std/min/max``,
     ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``is_mean/min/max/capped_frac`` (the
     engine-mismatch weight with ``old_logp_source="trainer"``; None otherwise), ``grad_norm`` (before clipping),
-    ``tokens``, ``samples``, ``samples_nonzero_adv``.
+    ``tokens`` (the batch's completion tokens), ``tokens_trained`` (those of the rows trained: fewer
+    when ``kl_beta == 0`` skips rows with advantage 0), ``samples``, ``samples_nonzero_adv``.
     """
     distributed = isinstance(model, DDP)
     module = model.module if distributed else model
@@ -301,6 +312,8 @@ def grpo_step(
         torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=pg)
     n_samples, n_tokens, n_nonzero = (int(c) for c in counts.tolist())
     norm = Normalizer(num_seqs=n_samples, num_tokens=n_tokens, max_len=int(longest) if max_len is None else max_len)
+    if loss_cfg.kl_beta == 0 and not bool((shard.adv != 0).all()):
+        shard = shard[(shard.adv != 0).nonzero().squeeze(1)]  # no loss term without an advantage (module docstring)
 
     # (2) local micro-batches; gradients accumulate without communication
     logprobs_fn = shared_prompt_logprobs if optim_cfg.share_prompt else token_logprobs
@@ -356,9 +369,12 @@ def grpo_step(
     if distributed:
         torch.distributed.all_reduce(sums, group=pg)
         torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=pg)
+    summary = LossStats.unpack(sums[:-1], maxes).summary()
     return {
         "loss": float(sums[-1]),
-        **LossStats.unpack(sums[:-1], maxes).summary(),
+        **summary,
+        "tokens": float(n_tokens),
+        "tokens_trained": summary["tokens"],
         "grad_norm": grad_norm,
         "samples": float(n_samples),
         "samples_nonzero_adv": float(n_nonzero),

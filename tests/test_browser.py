@@ -307,7 +307,7 @@ def test_figures_render_and_update_mid_run(quickstart_run):
     assert len(set(states)) >= 2, f"the reward figure did not change while training ran: {states}"
     titles = [f["title"] for f in quickstart_run["end_figures"]]
     assert titles == ["Reward and accuracy", "Off-policy drift", "Staleness", "Reward components", "Pipeline timeline",
-                      "Time per iteration"]
+                      "Time per iteration", "Usable samples and their cost"]
     assert all(max(f["points"].values()) > 0 for f in quickstart_run["end_figures"]), "a figure has no data"
     reward = quickstart_run["end_figures"][0]["points"]
     assert reward["reward mean"] == PARAMS["iterations"] and reward["held-out accuracy"] >= 2, reward  # + final eval

@@ -349,3 +349,41 @@ def test_workers_undo_the_nannys_malloc_setting(client):
         assert env is not None  # the setting the plugin exists for is really there
         assert tuned is True
     assert cl.tune_malloc() is True
+
+
+def _has_engine_plugin(dask_worker) -> bool:
+    return cl.ENGINE_PLUGIN in dask_worker.plugins
+
+
+def test_rollout_workers_join_and_leave_mid_run(tmp_path, client):
+    """The elastic fleet on a real LocalCluster: 1 -> 2 -> 1 rollout workers while the run goes on.
+    The joining worker gets the engine plugin and takes rollout tasks only once warm, from the next
+    batch on; the leaving one is retired with a batch in flight; nothing is lost or duplicated and the
+    trainer gang is never touched."""
+    cl.scale_rollout(client, 1)
+    try:
+        cfg = _cfg(tmp_path, iterations=8, world_size=1)
+        trainers_before = cl.workers_with(client, cl.TRAINER)
+        fleet = {}
+
+        def scale(rec):
+            if rec["iteration"] == 1:
+                before = set(cl.workers_with(client, cl.ROLLOUT))
+                fleet["joined"] = sorted(set(cl.scale_rollout(client, 2)) - before)
+                fleet["plugin"] = client.run(_has_engine_plugin, workers=fleet["joined"])
+            elif rec["iteration"] == 5:
+                fleet["left"] = cl.scale_rollout(client, 1)
+
+        res = loop.run(cfg, client=client, callbacks=[scale], progress=False)
+        recs = res.records
+        assert [r["iteration"] for r in recs] == list(range(8))
+        assert _chain(AdapterStore(cfg.run.store_root)) == list(range(1, 9))
+        _assert_groups_exact(tmp_path / "run", cfg)
+        assert len(fleet["joined"]) == 1 and all(fleet["plugin"].values()) and len(fleet["left"]) == 1
+        # batches 0-2 were submitted before the join, 3-6 with two workers, 7 after the leave
+        assert [r["rollout_workers"] for r in recs] == [1, 1, 1, 2, 2, 2] + [recs[6]["rollout_workers"], 1]
+        assert [r["staleness_max"] for r in recs] == [0] + [1] * 7  # the pipeline's lag, unchanged by scaling
+        assert abs(recs[0]["ratio_mean"] - 1) <= 1e-4
+        assert cl.workers_with(client, cl.TRAINER) == trainers_before and recs[-1]["gang_restarts"] == 0
+    finally:
+        cl.scale_rollout(client, 2)

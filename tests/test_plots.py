@@ -72,6 +72,11 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "kept_groups": 16 - i % 3,
                 "usable_samples": 90,
                 "usable_per_s": 9.5,
+                "usable_share": 0.9 - 0.05 * i,
+                "usable_cost_s": 0.2 + 0.01 * i,
+                "usable_cost": (0.2 + 0.01 * i) * 2.0 / 3600,
+                "dropped_groups": i % 4,
+                "rollout_workers": 1 + (3 <= i < 7),
                 "truncated": 2,
                 "iter_s": 10.0,
                 "gen_s": 9.0,
@@ -168,16 +173,29 @@ EXPECTED = {
     "rewards": {"total (weighted)", "reward errors"},  # plus one trace per component the records name
     "timeline": {"generate", "train", "publish", "eval"},
     "timing": {"iteration", "generate", "train", "generate + train"},
+    "usable": {"usable share", "dropped groups", "device-s per usable sample", "rollout workers",
+               "money per usable sample"},
 }
 
 
 def test_all_figures_have_stable_keys_and_expected_traces():
     figs = plots.all_figures(synthetic_records())
-    assert list(figs) == ["reward", "drift", "staleness", "rewards", "timeline", "timing"]
+    assert list(figs) == ["reward", "drift", "staleness", "rewards", "timeline", "timing", "usable"]
     for key, fig in figs.items():
         assert isinstance(fig, go.Figure)
         assert names(fig) == EXPECTED[key] | ({"answer", "short"} if key == "rewards" else set()), key
         assert all(len(t.x) > 0 for t in fig.data), key  # every series has data in a complete run
+
+
+def test_usable_figure_values():
+    recs = plots.usable_figure(synthetic_records(10))
+    assert trace(recs, "rollout workers").y == (1, 1, 1, 2, 2, 2, 2, 1, 1, 1)
+    assert trace(recs, "rollout workers").line.shape == "hv"
+    assert trace(recs, "usable share").y[2] == pytest.approx(0.8)
+    assert trace(recs, "money per usable sample").y[0] == pytest.approx(0.2 * 2 / 3600)
+    # a run without a price or dynamic sampling: the traces are there, empty where there is no data
+    bare = plots.usable_figure([{"iteration": 0, "usable_share": 0.5, "usable_cost": None}])
+    assert names(bare) == EXPECTED["usable"] and trace(bare, "money per usable sample").x == ()
 
 
 def test_reward_figure_values():

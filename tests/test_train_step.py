@@ -182,12 +182,22 @@ def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False):
             is_cap=loss_cfg.importance_sampling_cap,
         )
         loss.backward()
+        tokens = st.summary()["tokens"]
+        if loss_cfg.kl_beta == 0:  # the step's stats cover the rows it trains: those with an advantage
+            rows = (batch.adv != 0).nonzero().squeeze(1)
+            _, st = grpo_loss(
+                logp[rows], (logp.detach() if trainer_old else batch.old_logp)[rows], None, batch.adv[rows],
+                batch.completion_mask[rows], clip_eps=loss_cfg.clip_eps, clip_eps_high=loss_cfg.clip_eps_high,
+                sampling_logp=batch.old_logp[rows] if trainer_old and loss_cfg.importance_sampling_correction else None,
+                is_mode=loss_cfg.importance_sampling_mode, is_cap=loss_cfg.importance_sampling_cap,
+            )
         max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_norm))
         opt.step()
         opt.zero_grad()
     after = lora_params(model)
     stats = {"loss": loss.item(), **st.summary(), "grad_norm": grad_norm}
+    stats["tokens"], stats["tokens_trained"] = tokens, stats["tokens"]
     return {k: after[k] - before[k] for k in after}, stats
 
 
@@ -259,6 +269,55 @@ def test_single_process_step_matches_reference(loss_type, share_prompt, monkeypa
     _assert_stats_close(stats, want_stats)
     assert stats["samples"] == 5 and stats["clip_frac"] > 0 and stats["kl"] > 0
     assert all(p.grad is None for p in model.parameters())
+
+
+class RowCounter:
+    """Counts the sequences the model's forwards see (hooked on the embedding)."""
+
+    def __init__(self, model):
+        self.rows = 0
+        emb = model.get_input_embeddings()
+        emb.register_forward_hook(lambda mod, args, out: setattr(self, "rows", self.rows + args[0].shape[0]))
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_zero_advantage_rows_are_skipped_without_changing_the_update(loss_type, share_prompt):
+    """kl_beta = 0: rows with advantage 0 (two whole groups and a lone row) never reach the model,
+    and the update equals the plain one on the whole batch; with the KL term on, every row is trained."""
+    batch = make_batch(9, seed=5, zero_adv=range(0, 6), group=3)
+    batch = TrainBatch(**{**{f: getattr(batch, f) for f in ("input_ids", "attention_mask", "completion_mask", "old_logp")},
+                          "adv": torch.cat([batch.adv[:6], torch.tensor([0.0, 0.7, -1.3], dtype=batch.adv.dtype)])})
+    optim_cfg = OptimConfig(micro_batch=4, max_grad_norm=10.0, share_prompt=share_prompt)
+    for kl_beta, trained in ((0.0, 2), (0.05, 9)):
+        loss_cfg = LossConfig(loss_type=loss_type, kl_beta=kl_beta)
+        model = tiny_model()
+        seen = RowCounter(model)
+        before = lora_params(model)
+        stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg, max_len=8)
+        delta = {k: v - before[k] for k, v in lora_params(model).items()}
+        want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, max_len=8)
+        assert _rel_err(delta, want_delta) < 1e-10, (kl_beta, _rel_err(delta, want_delta))
+        _assert_stats_close(stats, want_stats)
+        # the forwards saw what a step on the trained rows alone sees (prompt rows included with share_prompt)
+        alone = tiny_model()
+        want_rows = RowCounter(alone)
+        rows = (batch.adv != 0).nonzero().squeeze(1) if kl_beta == 0 else torch.arange(9)
+        grpo_step(alone, torch.optim.SGD(alone.parameters(), lr=LR), batch[rows], loss_cfg, optim_cfg, max_len=8)
+        assert seen.rows == want_rows.rows and len(rows) == trained
+        assert stats["samples"] == 9 and stats["samples_nonzero_adv"] == 2
+        assert stats["tokens"] == int(batch.completion_mask.sum())
+        assert (stats["tokens_trained"] < stats["tokens"]) == (kl_beta == 0)
+
+
+def test_all_zero_advantage_batch_without_kl_does_no_work():
+    model = tiny_model()
+    seen = RowCounter(model)
+    before = lora_params(model)
+    batch = make_batch(6, seed=6, zero_adv=range(6), group=3)
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), OptimConfig())
+    assert seen.rows == 0 and stats["loss"] == 0 and stats["tokens_trained"] == 0 and stats["grad_norm"] == 0
+    assert all(torch.equal(v, before[k]) for k, v in lora_params(model).items())
 
 
 def test_make_optimizer_and_shard_bounds():
@@ -466,6 +525,8 @@ def test_ddp_step_matches_single_process(world_size, ddp_results):
         assert (rank0["kl"] > 0) if case.loss.kl_beta > 0 else math.isnan(rank0["kl"])
         if case.zero_adv_rank is not None:
             assert 0 < rank0["samples_nonzero_adv"] < case.n
+            # without the KL term the zero-advantage rank skipped its whole shard (and still synced)
+            assert (rank0["tokens_trained"] < rank0["tokens"]) == (case.loss.kl_beta == 0)
 
 
 def test_ddp_requires_broadcast_buffers_false():
