@@ -46,9 +46,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
-from grpo_kit import config, data, loop
+from grpo_kit import config, data, loop, tasks
 from grpo_kit.reward import gsm8k_reward
 
 TARGET_MARGIN = 0.02
@@ -158,18 +157,14 @@ def dynamic_config(cfg: config.Config, max_gen_batches: int) -> config.Config:
 
 def training_prompts(cfg: config.Config) -> list[list[data.Problem]]:
     """The problems of each kit iteration, drawn by the driver's own code (so TRL sees the same order)."""
-    d = cfg.data
-    pool = data.load_problems(
-        d.dataset, "train", d.train_size, seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms
-    )
-    driver = SimpleNamespace(cfg=cfg, train_pool=pool)
-    return [loop._Driver.problems_for(driver, it) for it in range(cfg.run.iterations)]
+    pool = tasks.for_config(cfg).load("train", cfg.data.train_size, cfg.run.seed)  # as loop.run loads it
+    return [loop.iteration_problems(cfg, pool, it) for it in range(cfg.run.iterations)]
 
 
 def heldout_problems(cfg: config.Config) -> list[data.Problem]:
     """The held-out set exactly as ``loop.run`` builds it."""
     d = cfg.data
-    return data.load_problems(d.dataset, "heldout", d.eval_size, seed=0, n_digits=d.n_digits, n_terms=d.n_terms)
+    return tasks.for_config(cfg).load("heldout", d.eval_size, 0)
 
 
 def checkpoint_steps(cfg: config.Config) -> list[int]:

@@ -238,12 +238,3 @@ def demonstration(terms: tuple[int, ...], *, slip_rate: float = 0.0, rng: random
             carry = total // 10
     answer = int("".join(written))
     return "\n".join(lines) + f"\n#### {answer}"
-
-
-def load_problems(dataset: str, split: str, n: int, *, seed: int = 0, n_digits: int = 3, n_terms: int = 2) -> list[Problem]:
-    """Problems for a run: the synthetic task or GSM8K (``split`` "train" or "heldout"/"test")."""
-    if dataset == "synthetic":
-        return synthetic_problems(n, split="heldout" if split in ("heldout", "test") else "train", seed=seed, n_digits=n_digits, n_terms=n_terms)
-    gsm_split = "test" if split in ("heldout", "test") else "train"
-    return list(load_gsm8k(dataset, gsm_split, limit=n))
-

@@ -53,6 +53,14 @@ def _seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256("-".join(map(str, parts)).encode()).digest()[:4], "little")
 
 
+def iteration_problems(cfg: Config, pool: list, iteration: int, round_: int = 0, n: int | None = None) -> list:
+    """The prompts of ``iteration``'s batch, drawn from the training ``pool`` with a seed of (run seed,
+    iteration): a resumed run and a benchmark comparing against another trainer see the same ones.
+    Dynamic sampling's extra rounds (``round_`` >= 1) draw ``n`` others from their own seed."""
+    parts = (cfg.run.seed, "prompts", iteration) + ((round_,) if round_ else ())
+    return random.Random(_seed(*parts)).sample(pool, n or cfg.sampling.prompts_per_step)
+
+
 @dataclass
 class _Pending:
     version: int
@@ -300,10 +308,7 @@ class _Driver:
 
     # ------------------------------------------------------------------ submission
     def problems_for(self, iteration: int, round_: int = 0, n: int | None = None):
-        """The prompts of ``iteration``'s batch; dynamic sampling's extra rounds (``round_`` >= 1) draw
-        ``n`` others from their own seed."""
-        parts = (self.cfg.run.seed, "prompts", iteration) + ((round_,) if round_ else ())
-        return random.Random(_seed(*parts)).sample(self.train_pool, n or self.cfg.sampling.prompts_per_step)
+        return iteration_problems(self.cfg, self.train_pool, iteration, round_, n)
 
     def rollout_version(self, iteration: int) -> int:
         """The adapter version that generates ``iteration``'s batch. Pacing: the trainer's version

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import random
 import sys
 from pathlib import Path
 
@@ -49,12 +48,10 @@ def test_training_prompts_are_the_drivers_draw(vs_trl):
     cfg = vs_trl.kit_config(vs_trl.parse_args(["--steps", "3", "--prompts-per-step", "4"]))
     got = vs_trl.training_prompts(cfg)
     d = cfg.data
-    pool = data.load_problems(
-        d.dataset, "train", d.train_size, seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms
-    )
+    pool = data.synthetic_problems(d.train_size, split="train", seed=cfg.run.seed, n_digits=d.n_digits, n_terms=d.n_terms)
     for it, batch in enumerate(got):
-        rng = random.Random(loop._seed(cfg.run.seed, "prompts", it))
-        assert batch == rng.sample(pool, 4)
+        assert batch == loop.iteration_problems(cfg, pool, it)
+        assert len(batch) == 4 and all(p in pool for p in batch)
     assert got[0] != got[1]
 
 

@@ -84,4 +84,4 @@ def test_too_many_problems_is_a_clear_error():
 
 def test_prompt_template_asks_for_marker():
     assert "'#### <integer>'" in data.format_prompt("What is 1 + 1?")
-    assert data.load_problems("synthetic", "heldout", 3)[0].prompt.startswith("Question: What is")
+    assert data.synthetic_problems(3, split="heldout")[0].prompt.startswith("Question: What is")

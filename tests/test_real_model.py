@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from grpo_kit import cluster as cl
-from grpo_kit import config, data, loop, models
+from grpo_kit import config, data, loop, models, tasks
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.prompts import PromptFormat
 from grpo_kit.rollout import HFEngine
@@ -101,7 +101,7 @@ def test_loop_on_smollm2(which, smol_path, tmp_path):
     # the driver keeps no token ids (they went from the rollout workers to the ranks): each prompt's
     # length is that of its chat rendering
     fmt = cl.prompt_format(cfg)
-    pool = {p.id: p for p in data.load_problems(cfg.data.dataset, "train", cfg.data.train_size, seed=cfg.run.seed)}
+    pool = {p.id: p for p in tasks.for_config(cfg).load("train", cfg.data.train_size, cfg.run.seed)}
     assert fmt.uses_chat(tok)
     assert all(r["prompt_tokens"] == len(fmt.encode(tok, pool[r["prompt_id"]].question)) and "prompt_ids" not in r
                for r in rows)
