@@ -80,13 +80,14 @@ def theil_sen(xs: list[float], ys: list[float]) -> float:
 class Sampler:
     """A loop callback: every ``every`` iterations, RSS per role and directory sizes."""
 
-    def __init__(self, client, run_dir: str, store_dir: str, tmp_dir: str, every: int):
+    def __init__(self, client, run_dir: str, store_dir: str, tmp_dir: str, every: int, out: str | None = None):
         from grpo_kit import cluster
 
         self.client, self.every = client, every
         self.run_dir, self.store_dir, self.tmp_dir = run_dir, store_dir, tmp_dir
         self.roles = {w: cluster.ROLLOUT for w in cluster.workers_with(client, cluster.ROLLOUT)}
         self.roles.update({w: cluster.TRAINER for w in cluster.workers_with(client, cluster.TRAINER)})
+        self.out = out  # every sample is appended here as it is taken (a long run can be read while it runs)
         self.samples: list[dict] = []
         self.walls: list[tuple[int, float]] = []
 
@@ -103,6 +104,9 @@ class Sampler:
         s = {"iteration": iteration, "t": time.time(), "rss_mb": rss, "tmp_mb": dir_mb(self.tmp_dir),
              "run_dir_mb": dir_mb(self.run_dir) - store, "store_mb": store}
         self.samples.append(s)
+        if self.out:
+            with open(self.out, "a") as f:
+                f.write(json.dumps({**s, "walls": self.walls[-self.every:]}) + "\n")
         return s
 
     def __call__(self, rec: dict) -> None:
@@ -187,7 +191,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--live-points", type=int, nargs="*", default=[1000, 2000, 5000, 10000])
     ap.add_argument("--root", default=None, help="where the run and its temp directory go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory")
-    ap.add_argument("--samples-out", default=None, help="write every sample as JSON lines here")
+    ap.add_argument("--samples-out", default=None, help="append every sample as a JSON line here as it is taken")
     ap.add_argument("overrides", nargs="*", help="config overrides, name=json-value (e.g. keep_last=20)")
     args = ap.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(50, args.iterations // 10)
@@ -209,7 +213,8 @@ def main(argv=None) -> dict:
 
         def first(rec):  # the sampler needs the workers, which exist once the loop runs
             if "s" not in holder:
-                holder["s"] = Sampler(client, cfg.run.run_dir, cfg.run.store_root, tmp_dir, args.sample_every)
+                holder["s"] = Sampler(client, cfg.run.run_dir, cfg.run.store_root, tmp_dir, args.sample_every,
+                                      args.samples_out)
             holder["s"](rec)
 
         t0 = time.time()
@@ -227,10 +232,6 @@ def main(argv=None) -> dict:
     out = summarize(sampler, warmup, live_ms, report_mb)
     out["wall_s"] = round(wall, 1)
     out["load_avg"] = os.getloadavg()
-    if args.samples_out:
-        with open(args.samples_out, "w") as f:
-            for s in sampler.samples:
-                f.write(json.dumps(s) + "\n")
     if not args.keep:
         subprocess.run(["rm", "-rf", root], check=False)
     for s in sampler.samples[:: max(1, len(sampler.samples) // 20)]:

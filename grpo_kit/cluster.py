@@ -62,6 +62,8 @@ def connect(
     (round-robin over this process's CPUs), as a GPU cluster gives roles disjoint devices.
     ``security`` (a ``distributed.Security``) is passed through for TLS clusters.
     """
+    # before the client: its stream to the scheduler reads it (LOG_NOTE)
+    dask.config.set({"distributed.admin.low-level-log-length": LOW_LEVEL_LOG_LENGTH})
     if address:
         client = Client(address, security=security)
         if not quiet:
@@ -150,6 +152,17 @@ def tune_malloc() -> bool:
         return False
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
+
+LOW_LEVEL_LOG_LENGTH = 50
+"""Dask's ``distributed.admin.low-level-log-length`` on clusters :func:`connect` starts or joins (LOG_NOTE)."""
+
+LOG_NOTE = """Each Dask batched stream (client to scheduler, scheduler to each worker) keeps its last
+``distributed.admin.low-level-log-length`` (default 1000) payloads under 1 MB for debugging. A
+training step's task carries its batch (96 samples of the tiny profile: ~0.35 MB), so the driver
+(client and a LocalCluster's scheduler) held the last 1000 batches twice: ~31 MB more per 100
+iterations for the first 1000 iterations, then several hundred MB. :func:`connect` sets the length
+to :data:`LOW_LEVEL_LOG_LENGTH` in the driver's process (and so for a LocalCluster's workers); a
+remote scheduler reads its own configuration (set it there for big batches under 1 MB)."""
 
 PROFILER_NOTE = """Dask's statistical profiler samples every worker thread's stack every 10 ms and keeps
 a call tree per second for the last ``distributed.admin.low-level-log-length`` (1000) seconds. A
