@@ -248,6 +248,22 @@ class AdapterStore:
         avail = f"available: {shown}" if vs else "the store has no published versions"
         return VersionNotFoundError(f"adapter version {version} not found in {self.root} ({avail})")
 
+    def delete(self, version: int) -> None:
+        """Remove a published ``version`` (retention: :mod:`grpo_kit.retention`): the manifest first,
+        so the version stops existing before any of its files go, then the files. A missing version
+        is a no-op. Copies other processes fetched stay in their caches until evicted."""
+        vpath = self._version_path(version)
+        man = f"{vpath}/{MANIFEST}"
+        self.fs.invalidate_cache(vpath)
+        if self.fs.exists(man):
+            self.fs.rm_file(man)
+        self._manifests.pop(version, None)
+        try:
+            self.fs.rm(vpath, recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(vpath)
+
     # ---- fetching --------------------------------------------------------------------------------
 
     def fetch(self, version: int) -> str:
@@ -279,12 +295,17 @@ class AdapterStore:
         with self._lock:
             old = list(self._fetched)[: max(0, len(self._fetched) - self.cache_versions)]
             gone = [(v, self._fetched.pop(v)) for v in old]
+            for v in old:  # a long run fetches thousands of versions: per-version entries go too
+                self._manifests.pop(v, None)
         for v, path in gone:
             with self._lock:
                 lock = self._version_locks.setdefault(v, threading.Lock())
             with lock:
                 if v not in self._fetched:  # not fetched again meanwhile
                     shutil.rmtree(path, ignore_errors=True)
+            with self._lock:
+                if v not in self._fetched and not lock.locked():
+                    self._version_locks.pop(v, None)
 
     def _download(self, version: int, man: dict, dest: str) -> None:
         tmp = f"{dest}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -71,6 +71,8 @@ def connect(
     (round-robin over this process's CPUs), as a GPU cluster gives roles disjoint devices.
     ``security`` (a ``distributed.Security``) is passed through for TLS clusters.
     """
+    # before the client: its stream to the scheduler reads it (LOG_NOTE)
+    dask.config.set({"distributed.admin.low-level-log-length": LOW_LEVEL_LOG_LENGTH})
     if address:
         client = Client(address, security=security)
         if not quiet:
@@ -79,7 +81,8 @@ def connect(
     from distributed import LocalCluster
 
     # Nannies read this when they (re)start a worker: engines and process groups spawn children.
-    dask.config.set({"distributed.worker.daemon": False})
+    # The statistical profiler is off (PROFILER_NOTE); workers, nannies and the scheduler read it at start.
+    dask.config.set({"distributed.worker.daemon": False, "distributed.worker.profile.enabled": False})
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     gpus = _visible_gpus()
     cluster = LocalCluster(
@@ -198,9 +201,47 @@ def tune_malloc() -> bool:
     return bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)) and bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
+LOW_LEVEL_LOG_LENGTH = 50
+"""Dask's ``distributed.admin.low-level-log-length`` on clusters :func:`connect` starts or joins (LOG_NOTE)."""
+
+LOG_NOTE = """Each Dask batched stream (client to scheduler, scheduler to each worker) keeps its last
+``distributed.admin.low-level-log-length`` (default 1000) payloads under 1 MB for debugging. A
+training step's task carries its batch (96 samples of the tiny profile: ~0.35 MB), so the driver
+(client and a LocalCluster's scheduler) held the last 1000 batches twice: ~31 MB more per 100
+iterations for the first 1000 iterations, then several hundred MB. :func:`connect` sets the length
+to :data:`LOW_LEVEL_LOG_LENGTH` in the driver's process (and so for a LocalCluster's workers); a
+remote scheduler reads its own configuration (set it there for big batches under 1 MB)."""
+
+PROFILER_NOTE = """Dask's statistical profiler samples every worker thread's stack every 10 ms and keeps
+a call tree per second for the last ``distributed.admin.low-level-log-length`` (1000) seconds. A
+vLLM or torch step has deep, varied stacks: on the tiny profile the trees grew a rollout worker by
+about 0.5 MB per iteration (48 MB per 100 iterations, 300-iteration soak) and would keep growing for
+1000 s before levelling off (at several hundred MB), and sampling costs the task's thread the GIL.
+The kit turns it off: :func:`connect` sets ``distributed.worker.profile.enabled: False`` before it
+starts a cluster, and :class:`ThreadsPlugin` stops it on workers of any cluster
+(:func:`stop_task_profiler`). Dask's dashboard then shows no profile page."""
+
+
+def stop_task_profiler(worker) -> bool:
+    """Stop ``worker``'s statistical task profiler and drop its history (:data:`PROFILER_NOTE`);
+    True if it was running."""
+    running = False
+    for name in ("profile", "profile-cycle"):
+        pc = worker.periodic_callbacks.pop(name, None)
+        if pc is not None:
+            pc.stop()
+            running = True
+    for attr in ("profile_history", "profile_keys_history", "profile_keys"):
+        held = getattr(worker, attr, None)
+        if held is not None:
+            held.clear()
+    return running
+
+
 class ThreadsPlugin(WorkerPlugin):
     """Applies the CPU affinity and torch thread count a worker was started with, and
-    :func:`tune_malloc`. Registered on every cluster a run uses (local or remote).
+    :func:`tune_malloc`, and stops Dask's task profiler (:func:`stop_task_profiler`). Registered on
+    every cluster a run uses (local or remote).
 
     A worker that :func:`connect` started in a notebook's kernel also leaves the kernel's process
     group: Jupyter interrupts a kernel by signalling its whole process group, and SIGINT would
@@ -210,6 +251,7 @@ class ThreadsPlugin(WorkerPlugin):
         if os.environ.get("GRPO_KIT_OWN_PGRP") == "1" and hasattr(os, "setpgrp"):
             os.setpgrp()  # the engine processes it starts from here on follow it
         worker.grpo_kit_malloc_tuned = tune_malloc()
+        stop_task_profiler(worker)
         cpus = os.environ.get("GRPO_KIT_CPUS")
         if cpus and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})

@@ -41,6 +41,7 @@ from . import preflight, tasks
 from .adapters import AdapterStore
 from .config import Config
 from .models import resolve_model
+from .retention import Pruner
 from .rollout import RolloutSummary
 from .sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
 from .tasks import Task
@@ -205,6 +206,9 @@ def run(
         heldout_d = [cl.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
                          list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s))
+        driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
+        if resume:  # versions a crash (or a run with another policy) left behind
+            driver.pruner.sweep(state["version"])
         # engines and policies are built before the first iteration's clock starts
         t_warm = time.time()
         if progress:
@@ -228,7 +232,8 @@ def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
     """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
     d = {**cfg.to_dict(), "task": task.describe()}
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
-                                                         "price_per_hour")}
+                                                         "price_per_hour", "keep_versions", "keep_every",
+                                                         "rollouts_every")}
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -564,6 +569,7 @@ class _Driver:
         _append_jsonl(self.metrics_path, rec)
         self.state["next_iteration"] = rec["iteration"] + 1
         self.store.write_json(RUN_STATE, self.state)
+        self.prune()
         for cb in self.callbacks:
             cb(rec)
         bar.update(1)
@@ -583,10 +589,20 @@ class _Driver:
         evs = [e for e in self.state["evals"] if e["version"] > 0]
         return evs[-1]["acc"] if evs else None
 
+    def prune(self) -> None:
+        """Retention (:mod:`grpo_kit.retention`) after a committed iteration; batches in flight and
+        pending evaluations keep the versions they were submitted with."""
+        pruner = getattr(self, "pruner", None)
+        if pruner is not None:
+            busy = {p.version for p in self.pending.values()} | {_eval_version(f) for _, f in self.evals}
+            pruner.after_commit(self.state["version"], busy)
+
     def _write_samples(self, it: int, rollouts: list[RolloutSummary]) -> None:
-        with open(self.samples_path.with_name("rollouts.jsonl"), "a") as f:
-            for r in rollouts:
-                f.write(json.dumps(r.to_dict()) + "\n")
+        every = self.cfg.run.rollouts_every
+        if every and it % every == 0:
+            with open(self.samples_path.with_name("rollouts.jsonl"), "a") as f:
+                for r in rollouts:
+                    f.write(json.dumps(r.to_dict()) + "\n")
         with open(self.samples_path, "a") as f:
             for r in rollouts[:: max(1, len(rollouts) // 3)][:3]:
                 f.write(json.dumps({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
@@ -679,6 +695,11 @@ def _batch(groups: list[Group], group_size: int) -> cl.RolloutBatch:
                 futures.append(fut)
             picks.append((index[fut.key], i))
     return cl.RolloutBatch(futures, picks, group_size)
+
+
+def _eval_version(fut) -> int:
+    """The adapter version of an evaluation future (its key ends in ``-v<version>``, submit_eval)."""
+    return int(str(fut.key).rsplit("-v", 1)[1])
 
 
 def _finite(x):

@@ -160,16 +160,22 @@ def _rgba(hex_color: str, alpha: float) -> str:
     return f"rgba({r},{g},{b},{alpha})"
 
 
-def _line(records, key, name, color, dash=None, mode="lines+markers", **kw) -> go.Scatter:
-    xs, ys = _series(records, key)
-    return go.Scatter(x=xs, y=ys, name=name, mode=mode, line=dict(color=color, dash=dash), marker=dict(size=5), **kw)
+Arrays = dict[str, list]
+"""The data arrays of one trace (``x``, ``y`` and for bars ``base``, ``text``, ``customdata``)."""
 
 
-def _lenient(series: tuple[list[int], list[float]], name: str, color: str) -> go.Scatter:
+def _xy(series: tuple[list, list]) -> Arrays:
+    return {"x": series[0], "y": series[1]}
+
+
+def _line(arr: Arrays, name, color, dash=None, mode="lines+markers", **kw) -> go.Scatter:
+    return go.Scatter(**arr, name=name, mode=mode, line=dict(color=color, dash=dash), marker=dict(size=5), **kw)
+
+
+def _lenient(arr: Arrays, name: str, color: str) -> go.Scatter:
     """A lenient-accuracy series: the strict series' colour, lighter and dotted."""
     return go.Scatter(
-        x=series[0],
-        y=series[1],
+        **arr,
         name=name,
         mode="lines+markers",
         opacity=0.55,
@@ -195,14 +201,18 @@ def _eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[f
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _band(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any], name: str, color: str) -> go.Scatter:
-    """A filled band as one closed polygon (one trace, so a live update is one restyle)."""
+def _band_data(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any]) -> Arrays:
+    """A filled band's outline: along the upper edge and back along the lower one."""
     pts = [(_x(r, i), _num(lo(r)), _num(hi(r))) for i, r in enumerate(records)]
     pts = [(x, a, b) for x, a, b in pts if a is not None and b is not None]
     xs = [p[0] for p in pts]
+    return {"x": xs + xs[::-1], "y": [p[2] for p in pts] + [p[1] for p in pts][::-1]}
+
+
+def _band(arr: Arrays, name: str, color: str) -> go.Scatter:
+    """A filled band as one closed polygon (one trace, so a live update is one restyle)."""
     return go.Scatter(
-        x=xs + xs[::-1],
-        y=[p[2] for p in pts] + [p[1] for p in pts][::-1],
+        **arr,
         name=name,
         fill="toself",
         fillcolor=_rgba(color, 0.18),
@@ -213,6 +223,35 @@ def _band(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any], nam
 
 
 # ---------------------------------------------------------------- figures
+#
+# Each figure is two functions: ``<name>_data(records)`` computes the data arrays of its traces, in
+# trace order (cheap: what a live update recomputes), and ``<name>_figure(records)`` builds the
+# figure around them (styles, axes, subplots: what a live update keeps).
+
+
+def _std_edge(sign: int) -> Callable[[Record], Any]:
+    def edge(r: Record) -> float | None:
+        m, s = _num(r.get("reward_mean")), _num(r.get("reward_std"))
+        return None if m is None or s is None else m + sign * s
+
+    return edge
+
+
+def reward_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`reward_figure`."""
+    # The base model's accuracy is one number: a dashed line across the iterations run so far.
+    base = _num(_last(records, "base_acc"))
+    xs = [_x(r, i) for i, r in enumerate(records)] if base is not None else []
+    bx = [min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1] if xs else []
+    return [
+        _band_data(records, _std_edge(-1), _std_edge(+1)),
+        _xy(_series(records, "reward_mean")),
+        _xy(_series(records, "train_acc")),
+        _xy(_series(records, "train_lenient_acc")),
+        _xy(_eval_series(records, "eval_acc")),
+        _xy(_eval_series(records, "eval_lenient_acc")),
+        {"x": bx, "y": [base] * len(bx)},
+    ]
 
 
 def reward_figure(records: Sequence[Record]) -> go.Figure:
@@ -221,45 +260,17 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
     Accuracy is strict (the ``#### <n>`` form and the right value), with lenient accuracy (the right
     value by any rule) beside it, lighter and dotted, where the records have it.
     """
+    band, mean, train, train_len, ev, ev_len, base = reward_data(records)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-
-    def std_edge(sign: int) -> Callable[[Record], Any]:
-        def edge(r: Record) -> float | None:
-            m, s = _num(r.get("reward_mean")), _num(r.get("reward_std"))
-            return None if m is None or s is None else m + sign * s
-
-        return edge
-
-    fig.add_trace(_band(records, std_edge(-1), std_edge(+1), "reward ± std", COLORS["reward"]), secondary_y=False)
-    fig.add_trace(_line(records, "reward_mean", "reward mean", COLORS["reward"]), secondary_y=False)
+    fig.add_trace(_band(band, "reward ± std", COLORS["reward"]), secondary_y=False)
+    fig.add_trace(_line(mean, "reward mean", COLORS["reward"]), secondary_y=False)
     # runs from before lenient grading have no lenient keys: those traces stay empty, out of the legend
-    fig.add_trace(_line(records, "train_acc", "train accuracy", COLORS["train_acc"]), secondary_y=True)
+    fig.add_trace(_line(train, "train accuracy", COLORS["train_acc"]), secondary_y=True)
+    fig.add_trace(_lenient(train_len, "train (lenient)", COLORS["train_acc"]), secondary_y=True)
+    fig.add_trace(_line(ev, "held-out accuracy", COLORS["eval_acc"]), secondary_y=True)
+    fig.add_trace(_lenient(ev_len, "held-out (lenient)", COLORS["eval_acc"]), secondary_y=True)
     fig.add_trace(
-        _lenient(_series(records, "train_lenient_acc"), "train (lenient)", COLORS["train_acc"]), secondary_y=True
-    )
-    ex, ey = _eval_series(records, "eval_acc")
-    fig.add_trace(
-        go.Scatter(
-            x=ex,
-            y=ey,
-            name="held-out accuracy",
-            mode="lines+markers",
-            line=dict(color=COLORS["eval_acc"]),
-            marker=dict(size=5),
-        ),
-        secondary_y=True,
-    )
-    fig.add_trace(
-        _lenient(_eval_series(records, "eval_lenient_acc"), "held-out (lenient)", COLORS["eval_acc"]), secondary_y=True
-    )
-    # The base model's accuracy is one number: a dashed line across the iterations run so far.
-    base = _num(_last(records, "base_acc"))
-    xs = [_x(r, i) for i, r in enumerate(records)]
-    bx = [min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1] if xs and base is not None else []
-    fig.add_trace(
-        go.Scatter(
-            x=bx, y=[base] * len(bx), name="base model", mode="lines", line=dict(color=COLORS["base"], dash="dash")
-        ),
+        go.Scatter(**base, name="base model", mode="lines", line=dict(color=COLORS["base"], dash="dash")),
         secondary_y=True,
     )
     _style(fig, "Reward and accuracy", 420)
@@ -279,10 +290,22 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
     return fig
 
 
+def drift_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`drift_figure`."""
+    return [
+        _band_data(records, lambda r: r.get("ratio_min"), lambda r: r.get("ratio_max")),
+        *(_xy(_series(records, k)) for k in ("ratio_mean", "clip_frac_low", "clip_frac_high", "clip_frac",
+                                              "is_capped_frac", "kl_mean")),
+        _band_data(records, lambda r: r.get("is_min"), lambda r: r.get("is_max")),
+        _xy(_series(records, "is_mean")),
+    ]
+
+
 def drift_figure(records: Sequence[Record]) -> go.Figure:
     """Off-policy drift: the policy's importance ratio (mean, min/max band), clip fractions, KL to the
     base model and, with ``old_logp_source="trainer"``, the engine-mismatch weight π_old/π_engine
     (mean, min/max band before the cap) and the share of tokens whose weight was capped."""
+    ratio_band, ratio, clip_low, clip_high, clip, capped, kl, is_band, is_mean = drift_data(records)
     fig = make_subplots(
         rows=4,
         cols=1,
@@ -291,39 +314,34 @@ def drift_figure(records: Sequence[Record]) -> go.Figure:
         subplot_titles=("importance ratio π/π_old", "clip fraction, weight capped", "KL to base",
                         "engine mismatch weight π_old/π_engine"),
     )
-    fig.add_trace(
-        _band(records, lambda r: r.get("ratio_min"), lambda r: r.get("ratio_max"), "ratio min/max", COLORS["ratio"]),
-        row=1,
-        col=1,
-    )
-    fig.add_trace(_line(records, "ratio_mean", "ratio mean", COLORS["ratio"]), row=1, col=1)
-    fig.add_trace(_line(records, "clip_frac_low", "clip low", COLORS["clip_low"], dash="dot"), row=2, col=1)
-    fig.add_trace(_line(records, "clip_frac_high", "clip high", COLORS["clip_high"], dash="dot"), row=2, col=1)
-    fig.add_trace(_line(records, "clip_frac", "clip total", COLORS["clip"]), row=2, col=1)
-    fig.add_trace(_line(records, "is_capped_frac", "weight capped", COLORS["is_weight"], dash="dash"), row=2, col=1)
-    fig.add_trace(_line(records, "kl_mean", "KL", COLORS["kl"]), row=3, col=1)
-    fig.add_trace(
-        _band(records, lambda r: r.get("is_min"), lambda r: r.get("is_max"), "weight min/max", COLORS["is_weight"]),
-        row=4,
-        col=1,
-    )
-    fig.add_trace(_line(records, "is_mean", "weight mean", COLORS["is_weight"]), row=4, col=1)
+    fig.add_trace(_band(ratio_band, "ratio min/max", COLORS["ratio"]), row=1, col=1)
+    fig.add_trace(_line(ratio, "ratio mean", COLORS["ratio"]), row=1, col=1)
+    fig.add_trace(_line(clip_low, "clip low", COLORS["clip_low"], dash="dot"), row=2, col=1)
+    fig.add_trace(_line(clip_high, "clip high", COLORS["clip_high"], dash="dot"), row=2, col=1)
+    fig.add_trace(_line(clip, "clip total", COLORS["clip"]), row=2, col=1)
+    fig.add_trace(_line(capped, "weight capped", COLORS["is_weight"], dash="dash"), row=2, col=1)
+    fig.add_trace(_line(kl, "KL", COLORS["kl"]), row=3, col=1)
+    fig.add_trace(_band(is_band, "weight min/max", COLORS["is_weight"]), row=4, col=1)
+    fig.add_trace(_line(is_mean, "weight mean", COLORS["is_weight"]), row=4, col=1)
     _style(fig, "Off-policy drift", 860)
     fig.update_xaxes(title_text="iteration", row=4, col=1)
     return fig
 
 
+def staleness_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`staleness_figure`."""
+    return [_xy(_series(records, k)) for k in ("rejected_groups", "staleness_max", "staleness_mean")]
+
+
 def staleness_figure(records: Sequence[Record]) -> go.Figure:
     """Version lag of each batch (trainer version minus generating adapter version) and rejected groups."""
+    rejected, lag_max, lag_mean = staleness_data(records)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
-    xs, ys = _series(records, "rejected_groups")
     fig.add_trace(
-        go.Bar(x=xs, y=ys, name="rejected groups", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True
+        go.Bar(**rejected, name="rejected groups", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True
     )
-    fig.add_trace(_line(records, "staleness_max", "staleness max", COLORS["staleness_max"]), secondary_y=False)
-    fig.add_trace(
-        _line(records, "staleness_mean", "staleness mean", COLORS["staleness_mean"], dash="dot"), secondary_y=False
-    )
+    fig.add_trace(_line(lag_max, "staleness max", COLORS["staleness_max"]), secondary_y=False)
+    fig.add_trace(_line(lag_mean, "staleness mean", COLORS["staleness_mean"], dash="dot"), secondary_y=False)
     _style(fig, "Staleness", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="version lag", rangemode="tozero", secondary_y=False)
@@ -333,22 +351,32 @@ def staleness_figure(records: Sequence[Record]) -> go.Figure:
     return fig
 
 
-def components_figure(records: Sequence[Record]) -> go.Figure:
-    """Each reward component's batch mean (the task's reward functions, unweighted) beside the
-    weighted total, and the completions a reward function failed on (raised, timed out, or returned
-    something that is not a score) as bars on the right axis."""
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
+def _component_names(records: Sequence[Record]) -> list[str]:
     names: list[str] = []
     for r in records:
         for name in r.get("reward_components") or {}:
             if name not in names:
                 names.append(name)
-    xs, ys = _series(records, "reward_errors")
-    fig.add_trace(go.Bar(x=xs, y=ys, name="reward errors", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True)
-    fig.add_trace(_line(records, "reward_mean", "total (weighted)", COLORS["reward"]), secondary_y=False)
-    for k, name in enumerate(names):
-        fig.add_trace(_line(records, lambda r, n=name: (r.get("reward_components") or {}).get(n), name,
-                            _C[(k + 2) % len(_C)], dash="dot"), secondary_y=False)
+    return names
+
+
+def components_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`components_figure`."""
+    comps = [_xy(_series(records, lambda r, n=name: (r.get("reward_components") or {}).get(n)))
+             for name in _component_names(records)]
+    return [_xy(_series(records, "reward_errors")), _xy(_series(records, "reward_mean")), *comps]
+
+
+def components_figure(records: Sequence[Record]) -> go.Figure:
+    """Each reward component's batch mean (the task's reward functions, unweighted) beside the
+    weighted total, and the completions a reward function failed on (raised, timed out, or returned
+    something that is not a score) as bars on the right axis."""
+    errors, total, *comps = components_data(records)
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_trace(go.Bar(**errors, name="reward errors", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True)
+    fig.add_trace(_line(total, "total (weighted)", COLORS["reward"]), secondary_y=False)
+    for k, (name, arr) in enumerate(zip(_component_names(records), comps, strict=True)):
+        fig.add_trace(_line(arr, name, _C[(k + 2) % len(_C)], dash="dot"), secondary_y=False)
     _style(fig, "Reward components", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="batch mean", secondary_y=False)
@@ -374,29 +402,49 @@ def _spans(records: Sequence[Record]) -> list[tuple[str, Any, float, float]]:
     return out
 
 
+TIMELINE_ITERATIONS = 100
+"""The timeline shows the spans of the last this many records: over a long run thousands of bars
+would be unreadable (and weigh megabytes in the report)."""
+
+
+def _timeline_kinds(spans) -> list[str]:
+    return list(SPAN_KINDS) + sorted({s[0] for s in spans} - set(SPAN_KINDS))
+
+
+def timeline_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`timeline_figure`: one bar trace per span kind."""
+    spans = _spans(records[-TIMELINE_ITERATIONS:])
+    t0 = min((s[2] for s in spans), default=0.0)
+    out = []
+    for kind in _timeline_kinds(spans):
+        mine = [s for s in spans if s[0] == kind]
+        out.append({
+            "y": [kind] * len(mine),
+            "base": [s[2] - t0 for s in mine],
+            "x": [s[3] - s[2] for s in mine],
+            "text": [str(s[1]) for s in mine],
+            "customdata": [[str(s[1]), s[2] - t0, s[3] - t0, s[3] - s[2]] for s in mine],
+        })
+    return out
+
+
 def timeline_figure(records: Sequence[Record]) -> go.Figure:
     """Gantt chart of generate / train / publish / eval spans, seconds since the first span.
 
     One row per kind, one bar per span labelled by its iteration: with a pipelined loop the generate
-    bar of iteration i+1 runs beside the train bar of iteration i.
+    bar of iteration i+1 runs beside the train bar of iteration i. Spans of the last
+    :data:`TIMELINE_ITERATIONS` records only.
     """
-    spans = _spans(records)
-    t0 = min((s[2] for s in spans), default=0.0)
-    kinds = list(SPAN_KINDS) + sorted({s[0] for s in spans} - set(SPAN_KINDS))
+    kinds = _timeline_kinds(_spans(records[-TIMELINE_ITERATIONS:]))
     fig = go.Figure()
-    for i, kind in enumerate(kinds):
-        mine = [s for s in spans if s[0] == kind]
+    for i, (kind, arr) in enumerate(zip(kinds, timeline_data(records), strict=True)):
         fig.add_trace(
             go.Bar(
+                **arr,
                 orientation="h",
                 name=kind,
-                y=[kind] * len(mine),
-                base=[s[2] - t0 for s in mine],
-                x=[s[3] - s[2] for s in mine],
-                text=[str(s[1]) for s in mine],
                 textposition="inside",
                 insidetextanchor="middle",
-                customdata=[[str(s[1]), s[2] - t0, s[3] - t0, s[3] - s[2]] for s in mine],
                 hovertemplate="iteration %{customdata[0]}: %{customdata[1]:.2f}–%{customdata[2]:.2f} s"
                 " (%{customdata[3]:.2f} s)<extra>%{fullData.name}</extra>",
                 marker=dict(color=COLORS.get(kind, _C[(i + 4) % len(_C)]), line=dict(color="white", width=1)),
@@ -416,26 +464,32 @@ def timeline_figure(records: Sequence[Record]) -> go.Figure:
     return fig
 
 
+def timing_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`timing_figure`."""
+    return [
+        *(_xy(_series(records, k)) for k in ("iter_s", "gen_s", "train_s")),
+        _xy(_series(records, lambda r: _sum(r, "gen_s", "train_s"))),
+    ]
+
+
 def timing_figure(records: Sequence[Record]) -> go.Figure:
     """Wall time per iteration against its generation and training time; below the serial sum means overlap."""
+    it, gen, train, serial = timing_data(records)
     fig = go.Figure()
-    fig.add_trace(_line(records, "iter_s", "iteration", COLORS["iteration"]))
-    fig.add_trace(_line(records, "gen_s", "generate", COLORS["generate"]))
-    fig.add_trace(_line(records, "train_s", "train", COLORS["train"]))
-    fig.add_trace(
-        _line(
-            records,
-            lambda r: _sum(r, "gen_s", "train_s"),
-            "generate + train",
-            COLORS["base"],
-            dash="dash",
-            mode="lines",
-        )
-    )
+    fig.add_trace(_line(it, "iteration", COLORS["iteration"]))
+    fig.add_trace(_line(gen, "generate", COLORS["generate"]))
+    fig.add_trace(_line(train, "train", COLORS["train"]))
+    fig.add_trace(_line(serial, "generate + train", COLORS["base"], dash="dash", mode="lines"))
     _style(fig, "Time per iteration", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="seconds", rangemode="tozero")
     return fig
+
+
+def usable_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`usable_figure`."""
+    keys = ("dropped_groups", "usable_share", "usable_cost_s", "rollout_workers", "usable_cost")
+    return [_xy(_series(records, k)) for k in keys]
 
 
 def usable_figure(records: Sequence[Record]) -> go.Figure:
@@ -446,15 +500,14 @@ def usable_figure(records: Sequence[Record]) -> go.Figure:
                         specs=[[{"secondary_y": True}], [{"secondary_y": True}], [{}]],
                         subplot_titles=("usable share of generated completions", "cost per usable sample",
                                         "money per usable sample"))
-    xs, ys = _series(records, "dropped_groups")
-    fig.add_trace(go.Bar(x=xs, y=ys, name="dropped groups", marker_color=COLORS["rejected"], opacity=0.6),
+    dropped, share, cost_s, workers, cost = usable_data(records)
+    fig.add_trace(go.Bar(**dropped, name="dropped groups", marker_color=COLORS["rejected"], opacity=0.6),
                   row=1, col=1, secondary_y=True)
-    fig.add_trace(_line(records, "usable_share", "usable share", COLORS["usable"]), row=1, col=1, secondary_y=False)
-    fig.add_trace(_line(records, "usable_cost_s", "device-s per usable sample", COLORS["cost"]), row=2, col=1,
-                  secondary_y=False)
-    fig.add_trace(_line(records, "rollout_workers", "rollout workers", COLORS["workers"], dash="dot",
-                        line_shape="hv"), row=2, col=1, secondary_y=True)
-    fig.add_trace(_line(records, "usable_cost", "money per usable sample", COLORS["cost"], dash="dash"), row=3, col=1)
+    fig.add_trace(_line(share, "usable share", COLORS["usable"]), row=1, col=1, secondary_y=False)
+    fig.add_trace(_line(cost_s, "device-s per usable sample", COLORS["cost"]), row=2, col=1, secondary_y=False)
+    fig.add_trace(_line(workers, "rollout workers", COLORS["workers"], dash="dot", line_shape="hv"), row=2, col=1,
+                  secondary_y=True)
+    fig.add_trace(_line(cost, "money per usable sample", COLORS["cost"], dash="dash"), row=3, col=1)
     _style(fig, "Usable samples and their cost", 760)
     fig.update_xaxes(title_text="iteration", row=3, col=1)
     fig.update_yaxes(title_text="share", range=[0, 1.05], row=1, col=1, secondary_y=False)
@@ -476,10 +529,67 @@ FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
 }
 """Figure builders by stable name; the report's div ids are ``fig-<name>``."""
 
+FIGURE_DATA: dict[str, Callable[[Sequence[Record]], list[Arrays]]] = {
+    "reward": reward_data,
+    "drift": drift_data,
+    "staleness": staleness_data,
+    "rewards": components_data,
+    "timeline": timeline_data,
+    "timing": timing_data,
+    "usable": usable_data,
+}
+"""The trace arrays of each figure of :data:`FIGURES`, in trace order (what a live update copies)."""
+
 
 def all_figures(records: Sequence[Record]) -> dict[str, go.Figure]:
     """Every figure of :data:`FIGURES`, built from the same records."""
     return {name: build(records) for name, build in FIGURES.items()}
+
+
+# ---------------------------------------------------------------- long runs
+
+
+def thin_indices(n: int, max_points: int, keep_last: int) -> list[int]:
+    """Which of ``n`` points to draw so that at most ``max_points`` remain: the last ``keep_last``
+    all, the older ones every ``stride``-th from the first, ``stride`` the smallest power of two
+    that fits them into the rest. A point once drawn stays drawn until the stride doubles, so a
+    live plot does not flicker as points arrive.
+
+    >>> thin_indices(5, 10, 2)
+    [0, 1, 2, 3, 4]
+    >>> thin_indices(12, 6, 2)
+    [0, 4, 8, 10, 11]
+    """
+    if max_points <= keep_last or keep_last < 0:
+        raise ValueError(f"need 0 <= keep_last < max_points, got keep_last={keep_last}, max_points={max_points}")
+    if n <= max_points:
+        return list(range(n))
+    old, room = n - keep_last, max_points - keep_last
+    stride = 1
+    while -(-old // stride) > room:
+        stride *= 2
+    return [*range(0, old, stride), *range(old, n)]
+
+
+def _has_eval(rec: Record) -> bool:
+    return rec.get("eval_acc") is not None or rec.get("eval_lenient_acc") is not None
+
+
+def thin_records(records: Sequence[Record], max_points: int, keep_last: int) -> list[Record]:
+    """At most ``max_points`` of ``records`` to draw a long run from (:func:`thin_indices`). Records
+    that carry an evaluation are a sparse series of their own: they get a quarter of the budget and
+    are thinned apart, so that held-out accuracy never vanishes between strides. Shorter runs come
+    back whole."""
+    if len(records) <= max_points:
+        return list(records)
+    evals = [i for i, r in enumerate(records) if _has_eval(r)]
+    if not evals:
+        return [records[i] for i in thin_indices(len(records), max_points, keep_last)]
+    ev_budget = max(2, max_points // 4)
+    dense = max_points - ev_budget
+    keep = {*thin_indices(len(records), dense, min(keep_last, dense - 1))}
+    keep.update(evals[i] for i in thin_indices(len(evals), ev_budget, min(keep_last, ev_budget // 2)))
+    return [records[i] for i in sorted(keep)]
 
 
 # ---------------------------------------------------------------- live plots
@@ -559,21 +669,39 @@ def _figure_widget(fig: go.Figure) -> go.Figure | None:
 _TRACE_ARRAYS = ("x", "y", "base", "text", "customdata")
 
 
-def update_in_place(fig: go.Figure, fresh: go.Figure) -> None:
-    """Copy the data arrays of ``fresh`` into ``fig`` (a ``FigureWidget`` sends one batched message)."""
-    same = len(fig.data) == len(fresh.data) and all(
-        a.type == b.type and a.name == b.name for a, b in zip(fig.data, fresh.data, strict=True)
+def update_in_place(fig: go.Figure, fresh: go.Figure | list[Arrays], build: Callable[[], go.Figure] | None = None) -> None:
+    """Copy the data arrays of ``fresh`` (a figure, or its trace arrays from :data:`FIGURE_DATA`) into
+    ``fig`` (a ``FigureWidget`` sends one batched message). When the traces differ in number (a new
+    span kind appeared) ``fig``'s traces and layout are replaced wholesale from ``fresh`` or, given
+    arrays, from ``build()``."""
+    arrays = [{k: t[k] for k in _TRACE_ARRAYS if k in t} for t in fresh.data] if isinstance(fresh, go.Figure) else fresh
+    same = len(fig.data) == len(arrays) and (
+        not isinstance(fresh, go.Figure)
+        or all(a.type == b.type and a.name == b.name for a, b in zip(fig.data, fresh.data, strict=True))
     )
-    if not same:  # a new span kind appeared: replace the traces wholesale
+    if not same:
+        full = fresh if isinstance(fresh, go.Figure) else build()
         fig.data = ()
-        fig.add_traces(list(fresh.data))
-        fig.layout = fresh.layout
+        fig.add_traces(list(full.data))
+        fig.layout = full.layout
         return
     with fig.batch_update():
-        for old, new in zip(fig.data, fresh.data, strict=True):
-            for key in _TRACE_ARRAYS:
-                if key in new and old[key] != new[key]:
-                    old[key] = new[key]
+        for old, new in zip(fig.data, arrays, strict=True):
+            for key, val in new.items():
+                if old[key] is None and not len(val):
+                    continue
+                if old[key] is None or len(old[key]) != len(val) or tuple(old[key]) != tuple(val):
+                    old[key] = val
+
+
+LIVE_MAX_POINTS = 800
+"""Points per series a live figure draws at most (:func:`thin_records`)."""
+LIVE_KEEP_LAST = 200
+"""The most recent records a live figure always draws in full."""
+REPORT_MAX_POINTS = 3000
+"""Points per series the HTML report draws at most: every iteration of a 3,000-iteration run."""
+REPORT_KEEP_LAST = 500
+"""The most recent records the report always draws in full."""
 
 
 class LivePlots:
@@ -594,9 +722,16 @@ class LivePlots:
     without anywidget) it only collects records, and :meth:`show` displays static figures.
     ``live=True`` forces in-place updates of the held figures (``FigureWidget`` where possible, else
     ``go.Figure``) and ``live=False`` turns them off.
+
+    Long runs: the figures draw at most ``max_points`` records, the last ``keep_last`` in full and
+    older ones thinned (:func:`thin_records`), and an update recomputes only the trace arrays
+    (:data:`FIGURE_DATA`), so its cost stays flat as the history grows (``bench/soak.py`` measures it).
     """
 
-    def __init__(self, records: Iterable[Record] = (), *, live: bool | None = None, names: Sequence[str] | None = None):
+    def __init__(self, records: Iterable[Record] = (), *, live: bool | None = None, names: Sequence[str] | None = None,
+                 max_points: int = LIVE_MAX_POINTS, keep_last: int = LIVE_KEEP_LAST):
+        thin_indices(0, max_points, keep_last)  # validates the pair
+        self.max_points, self.keep_last = max_points, keep_last
         self.records: list[dict[str, Any]] = [dict(r) for r in records]
         self.names = tuple(names or FIGURES)
         unknown = set(self.names) - set(FIGURES)
@@ -633,8 +768,12 @@ class LivePlots:
         """Whether each record updates the held figures in place."""
         return self._figs is not None
 
+    def _view(self) -> list[Record]:
+        return thin_records(self.records, self.max_points, self.keep_last)
+
     def _build(self) -> dict[str, go.Figure]:
-        return {name: FIGURES[name](self.records) for name in self.names}
+        view = self._view()
+        return {name: FIGURES[name](view) for name in self.names}
 
     @property
     def figures(self) -> dict[str, go.Figure]:
@@ -648,8 +787,9 @@ class LivePlots:
 
     def _refresh(self) -> None:
         if self._figs is not None:
-            for name, fresh in self._build().items():
-                update_in_place(self._figs[name], fresh)
+            view = self._view()
+            for name in self.names:
+                update_in_place(self._figs[name], FIGURE_DATA[name](view), lambda name=name: FIGURES[name](view))
 
     def show(self, records: Iterable[Record] | None = None) -> dict[str, go.Figure]:
         """Display static figures of the whole run, unless live widgets already show it; returns them.
@@ -812,7 +952,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     out = Path(path) if path is not None else Path(run_dir) / "report.html"
     records = run["records"]
     plots = []
-    for i, (name, fig) in enumerate(all_figures(records).items()):
+    for i, (name, fig) in enumerate(all_figures(thin_records(records, REPORT_MAX_POINTS, REPORT_KEEP_LAST)).items()):
         div = fig.to_html(
             full_html=False,
             include_plotlyjs=(i == 0),

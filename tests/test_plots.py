@@ -593,3 +593,62 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
         [*flags, f"--screenshot={shot}", "--window-size=1400,4000", url], capture_output=True, text=True, timeout=180
     )
     assert snap.returncode == 0 and shot.stat().st_size > 50_000, snap.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- long runs
+
+
+@pytest.mark.parametrize("n", [0, 1, 799, 800, 801, 1_000, 10_000, 123_457])
+def test_thin_indices_bounds_the_points_and_keeps_the_recent_ones(n):
+    idx = plots.thin_indices(n, 800, 200)
+    assert len(idx) <= 800 and idx == sorted(set(idx))
+    assert idx[-200:] == list(range(max(0, n - 200), n))  # the last 200 all there, in full
+    if n <= 800:
+        assert idx == list(range(n))  # a short history is drawn whole
+    else:
+        assert idx[0] == 0 and len(idx) > 400  # the start stays, and the budget is used, not wasted
+        # older points are evenly spaced
+        old = idx[: len(idx) - 200]
+        assert len({b - a for a, b in zip(old, old[1:], strict=False)}) == 1
+
+
+def test_thin_indices_keeps_a_drawn_point_until_the_stride_doubles():
+    before, after = plots.thin_indices(4_000, 800, 200), plots.thin_indices(4_001, 800, 200)
+    old_before = set(before[:-200])
+    assert old_before <= set(after)  # no flicker: the old points stay as one point arrives
+    with pytest.raises(ValueError):
+        plots.thin_indices(10, 100, 100)
+
+
+def test_thin_records_keeps_sparse_evaluations():
+    recs = synthetic_records(5_000, eval_every=7)  # evaluations fall between the strides
+    view = plots.thin_records(recs, 800, 200)
+    ev_all = [r["iteration"] for r in recs if r["eval_acc"] is not None]
+    ev_view = [r["iteration"] for r in view if r["eval_acc"] is not None]
+    assert len(view) <= 800 and len(ev_view) >= 100  # within the budget, evaluations kept
+    assert ev_view[-1] == ev_all[-1] and view[-1] is recs[-1]
+    assert plots.thin_records(recs[:50], 800, 200) == recs[:50]
+
+
+def _plain(v):
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def test_figure_data_matches_the_figures():
+    """FIGURE_DATA (what a live update copies) is what the figure builders draw, trace by trace."""
+    records = synthetic_records(12)
+    for name, build in plots.FIGURES.items():
+        fig, arrays = build(records), plots.FIGURE_DATA[name](records)
+        assert len(fig.data) == len(arrays), name
+        for tr, arr in zip(fig.data, arrays, strict=True):
+            for key, val in arr.items():
+                assert _plain(tr[key] if tr[key] is not None else []) == _plain(val), (name, tr.name, key)
+
+
+def test_live_plots_thin_a_long_history():
+    records = synthetic_records(3_000)
+    live = plots.LivePlots(records[:-1], live=True, max_points=300, keep_last=100)
+    live(records[-1])
+    reward_x = trace(live.figures["reward"], "reward mean").x
+    assert len(reward_x) <= 300 and reward_x[-1] == 2_999 and reward_x[0] == 0
+    assert len(trace(live.figures["timeline"], "generate").x) == plots.TIMELINE_ITERATIONS

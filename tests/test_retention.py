@@ -1,0 +1,108 @@
+"""Adapter-store retention (grpo_kit.retention): the policy, deletion, and a pruned run that resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo_kit import cluster as cl
+from grpo_kit import config, loop, retention
+from grpo_kit.adapters import AdapterStore, VersionNotFoundError
+
+
+def _publish(store: AdapterStore, tmp_path, version: int) -> None:
+    d = tmp_path / f"src{version}"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"r": 1}))
+    (d / "adapter_model.safetensors").write_bytes(b"x" * 100)
+    state = f"optimizer/v{version:06d}-a"
+    store.save_state(state, {"step": version})
+    store.publish_dir(str(d), version, meta={"optimizer_state": state}, parent=version - 1)
+
+
+def test_policy_keeps_the_last_n_every_kth_and_the_latest():
+    kept = [v for v in range(1, 101) if retention.kept(v, 100, 5, 25)]
+    assert kept == [25, 50, 75, 96, 97, 98, 99, 100]
+    assert retention.kept(100, 100, 1, 0)  # the latest always
+    assert all(retention.kept(v, 100, 0, 7) for v in range(1, 101))  # 0: retention off
+
+
+def test_pruner_deletes_versions_and_their_optimizer_states(tmp_path):
+    store = AdapterStore(str(tmp_path / "store"))
+    pruner = retention.Pruner(store, keep_versions=3, keep_every=4)
+    for v in range(1, 11):
+        _publish(store, tmp_path, v)
+        pruner.after_commit(v, protect={5} if v < 10 else ())  # a batch in flight holds v5 until the end
+    assert store.versions() == [4, 8, 9, 10]
+    assert sorted(pruner.deleted) == [1, 2, 3, 5, 6, 7]
+    with pytest.raises(FileNotFoundError):
+        store.load_state("optimizer/v000006-a")
+    assert store.load_state("optimizer/v000010-a") == {"step": 10}  # resume needs it
+    with pytest.raises(VersionNotFoundError):
+        store.fetch(6)
+    assert not (tmp_path / "store" / "adapters" / "v000006").exists()
+    store.delete(6)  # deleting a missing version is a no-op
+
+
+def test_sweep_prunes_what_a_crash_left(tmp_path):
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in range(1, 8):
+        _publish(store, tmp_path, v)
+    retention.Pruner(store, keep_versions=2, keep_every=0).sweep(7)
+    assert store.versions() == [6, 7]
+
+
+def test_keep_versions_must_exceed_the_pipeline_depth():
+    with pytest.raises(ValueError, match="pipeline depth"):
+        config.profile("tiny", keep_versions=1, max_staleness=1)
+    config.profile("tiny", keep_versions=0, max_staleness=3)  # retention off: any depth
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.timeout(600)
+def test_pruned_run_resumes_and_ends_like_an_unpruned_one(tmp_path):
+    """A run keeping the last 2 versions and every 3rd dies after iteration 4, resumes, and finishes:
+    the store holds exactly what the policy says, and the resumed run trained from the latest
+    version and its optimizer state (the same final weights as a run that kept everything)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from grpo_kit import trainer
+
+    kw = dict(engine="hf", eval_every=0, eval_size=8, prompts_per_step=2, group_size=4, max_new_tokens=16,
+              collective_timeout_s=30, lr=1e-3, iterations=7, rollouts_every=2)
+    pruned = config.profile("tiny", run_dir=str(tmp_path / "pruned"), keep_versions=2, keep_every=3, **kw)
+    full = config.profile("tiny", run_dir=str(tmp_path / "full"), keep_versions=0, **kw)
+    client = cl.connect(n_rollout_workers=1, n_trainer_workers=1, quiet=True)
+    try:
+        def die(rec):
+            if rec["iteration"] == 4:
+                raise _Stop
+
+        with pytest.raises(_Stop):
+            loop.run(pruned, client=client, callbacks=[die], progress=False)
+        store = AdapterStore(pruned.run.store_root)
+        assert store.versions() == [3, 4, 5]
+        # as after a restart: the trainer reloads v5's adapter and optimizer state from the store
+        client.run(trainer.drop_state, workers=cl.workers_with(client, cl.TRAINER))
+        res = loop.run(pruned, client=client, resume=True, progress=False)
+        assert [r["iteration"] for r in res.records] == list(range(7))
+        assert store.versions() == [3, 6, 7]
+        opt = store.manifest(7)["meta"]["optimizer_state"]
+        assert store.load_state(opt)
+        loop.run(full, client=client, progress=False)
+        assert AdapterStore(full.run.store_root).versions() == list(range(1, 8))
+    finally:
+        c = client.cluster
+        client.close()
+        c.close()
+    wa = load_file(f"{AdapterStore(full.run.store_root).fetch(7)}/adapter_model.safetensors")
+    wb = load_file(f"{store.fetch(7)}/adapter_model.safetensors")
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0), k
+    iters = {json.loads(line)["iteration"] for line in (tmp_path / "pruned" / "rollouts.jsonl").open()}
+    assert iters == {0, 2, 4, 6}  # rollouts_every=2
