@@ -105,3 +105,24 @@ def assert_run_exact(run_dir, cfg, store) -> None:
     vs = store.versions()
     assert vs == list(range(1, n + 1)), f"store versions {vs}, want 1..{n}"
     assert [store.manifest(v)["parent"] for v in vs] == list(range(n)), "adapter versions not a chain"
+
+
+def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
+    """Programs a code reward's sandbox must contain (``grpo_kit.sandbox``), for its tests and
+    ``bench/rewards.py``: name -> (program, a word the failure reason must contain). ``port`` is a
+    listening loopback port the program must not reach; ``outside`` a path it must not write."""
+    return {
+        "infinite loop": ("while True:\n    pass\n", "timed out"),
+        "sleep": ("import time\ntime.sleep(1000)\n", "timed out"),
+        "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", "timed out"),
+        "10 GB allocation": ("x = bytearray(10 * 1024**3)\n", "MemoryError"),
+        "write outside": (f"open({str(outside)!r}, 'w').write('escaped')\n", "Error"),
+        "loopback connection": (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n", "Error"),
+        # The caller is never the program's parent (the launcher is, and in a PID namespace getppid() is 0).
+        "kill the parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(0, signal.SIGKILL)\n"
+                            "raise SystemExit('still here')\n", ""),
+        "100 MB of output": ("import sys\nfor _ in range(1600):\n    sys.stdout.write('x' * 65536)\n", "output over"),
+        "exit(0) before the tests": ("import sys\nsys.exit(0)\nassert False\n", "exit(0)"),
+        "os._exit(0) before the tests": ("import os\nos._exit(0)\nassert False\n", "before the end"),
+        "setsid and sleep": ("import os, time\nos.setsid()\ntime.sleep(1000)\n", "timed out"),
+    }

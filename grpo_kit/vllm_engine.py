@@ -67,7 +67,8 @@ from grpo_kit.rollout import Rollout, check_request, group_seed, make_rollout, s
 LOGPROBS_MODE = "processed_logprobs"
 
 
-def _import_vllm():
+def import_vllm():
+    """``(vllm, TokensPrompt, LoRARequest)``, or an ImportError that says what to install."""
     try:
         import vllm
         from vllm.inputs import TokensPrompt
@@ -80,7 +81,7 @@ def _import_vllm():
     return vllm, TokensPrompt, LoRARequest
 
 
-def _modules_unsafe_to_scan() -> dict:
+def modules_unsafe_to_scan() -> dict:
     """Modules whose globals raise on ``hasattr(value, "__dict__")``.
 
     While an engine is built, vLLM (0.32, CPU platform) rebinds Triton kernels by scanning every
@@ -137,7 +138,7 @@ class VLLMEngine:
         import torch
         from transformers import AutoTokenizer
 
-        vllm, self._TokensPrompt, self._LoRARequest = _import_vllm()
+        vllm, self._TokensPrompt, self._LoRARequest = import_vllm()
         mode = llm_kwargs.pop("logprobs_mode", LOGPROBS_MODE)
         if mode != LOGPROBS_MODE:
             raise ValueError(
@@ -178,7 +179,7 @@ class VLLMEngine:
         key = "VLLM_ENABLE_V1_MULTIPROCESSING"
         saved_env, saved_set_threads = os.environ.get(key), torch.set_num_threads
         os.environ[key] = "0" if in_process else "1"
-        hidden = _modules_unsafe_to_scan()
+        hidden = modules_unsafe_to_scan()
         for name in hidden:
             del sys.modules[name]
         try:

