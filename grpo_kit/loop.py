@@ -185,6 +185,9 @@ def run(
             trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
         (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
 
+        t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
+        if progress:
+            print("warming up: building rollout engines and trainer policies ...", flush=True)
         cl.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec(
@@ -210,9 +213,6 @@ def run(
         if resume:  # versions a crash (or a run with another policy) left behind
             driver.pruner.sweep(state["version"])
         # engines and policies are built before the first iteration's clock starts
-        t_warm = time.time()
-        if progress:
-            print("warming up: building rollout engines and trainer policies ...", flush=True)
         driver.warm_up_s = cl.warm_up(client, gang, state["version"], driver.key)
         driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))

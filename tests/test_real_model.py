@@ -84,6 +84,7 @@ def test_loop_on_smollm2(which, smol_path, tmp_path):
         "smol", engine=engine, lora_mode=mode or "auto", iterations=2, prompts_per_step=2, group_size=4,
         max_new_tokens=24, eval_size=4, eval_every=1, micro_batch=4, run_dir=str(tmp_path / "run"),
         dataset=str(GSM8K), train_size=64, max_model_len=512,
+        kl_beta=1e-3,  # every row trains (kl_beta 0 skips rows with no advantage), so the ratio is measured
     )
     result = loop.run(cfg, progress=False)
     recs = result.records

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 
 from grpo_kit import cluster as cl
@@ -27,7 +28,9 @@ def soak():
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
+    cloudpickle.register_pickle_by_value(mod)  # its functions run on workers that cannot import it
     yield mod
+    cloudpickle.unregister_pickle_by_value(mod)
     sys.modules.pop(spec.name, None)
 
 
