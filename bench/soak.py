@@ -19,7 +19,7 @@ Figures (the last line is JSON):
 - ``live_update_ms``: one ``LivePlots`` record update (in-place figure refresh) against the length
   of the history (the run's records repeated up to 10,000); ``live_update_ms_at_end`` is the
   10,000-point figure                                                               (goal <= 50 ms)
-- ``report_mb``: the HTML report of the run (``plots.write_report``).
+- ``report_mb``: the HTML report of the run (``grpo_kit.report.write_report``).
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def iteration_times(walls: list[tuple[int, float]]) -> list[tuple[int, float]]:
 def live_update_ms(records: list[dict], lengths: list[int], repeats: int = 5) -> dict[int, float]:
     """Median ms of one ``LivePlots`` record update at each history length (the run's records
     repeated, iterations and times shifted, to reach lengths beyond the run)."""
-    from grpo_kit.plots import LivePlots
+    from grpo_kit.widgets import LivePlots
 
     span = records[-1]["iteration"] + 1
     dt = records[-1]["t_iter_end"] - records[0]["t_iter_start"]
@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
     # before anything asks for a temp dir: the workers inherit it, and this process uses it too
     os.environ["TMPDIR"] = tempfile.tempdir = tmp_dir
 
-    from grpo_kit import cluster, config, loop, plots
+    from grpo_kit import cluster, config, loop, report
 
     overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     cfg = config.profile("tiny", engine=args.engine, iterations=args.iterations, eval_every=0,
@@ -226,8 +226,8 @@ def main(argv=None) -> dict:
         cluster_ = client.cluster
         client.close()
         cluster_.close()
-    report = plots.write_report(cfg.run.run_dir)
-    report_mb = os.path.getsize(report) / 2**20
+    report_path = report.write_report(cfg.run.run_dir)
+    report_mb = os.path.getsize(report_path) / 2**20
     live_ms = live_update_ms(res.records, args.live_points)
     out = summarize(sampler, warmup, live_ms, report_mb)
     out["wall_s"] = round(wall, 1)

@@ -13,7 +13,7 @@ is downloaded). The test watches the run about once a second and checks what iss
 - no JavaScript error in the console; the notebook is not marked modified on opening.
 
 A second, tiny notebook shows the upstream behaviour the kit works around (see
-:func:`grpo_kit.plots.await_comm_subshell`). Screenshots go to ``runs/browser/``.
+:func:`grpo_kit.widgets.await_comm_subshell`). Screenshots go to ``runs/browser/``.
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def quickstart_run(lab, browser):
     nb = copy_quickstart(root)
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     train = next(i for i, c in enumerate(code) if TRAINING_CELL in "".join(c["source"]))
-    live = next(i for i, c in enumerate(code) if "plots.LivePlots()" in "".join(c["source"]))
+    live = next(i for i, c in enumerate(code) if "widgets.LivePlots()" in "".join(c["source"]))
     SHOTS.mkdir(parents=True, exist_ok=True)
     page = open_notebook(browser, base, token, "quickstart.ipynb")
     time.sleep(2)  # let the kernel's language_info arrive (it used to mark the notebook modified)
@@ -363,7 +363,7 @@ def test_no_console_errors_and_not_modified_on_open(quickstart_run):
 
 
 def test_upstream_first_widget_shows_the_kernel_idle_mid_cell(lab, browser):
-    """What :func:`grpo_kit.plots.await_comm_subshell` works around, pinned: in JupyterLab >= 4.4 the
+    """What :func:`grpo_kit.widgets.await_comm_subshell` works around, pinned: in JupyterLab >= 4.4 the
     first widget of a kernel makes the frontend send ``create_subshell_request`` (control channel), and
     ipykernel 7's busy/idle status for it turns the status bar to Idle while the cell still runs
     (jupyter/jupyter_client#838). When this test fails, upstream has fixed it."""
@@ -403,12 +403,13 @@ def test_upstream_first_widget_shows_the_kernel_idle_mid_cell(lab, browser):
 
 @pytest.mark.parametrize("width", [820, 1400])
 def test_report_figures_do_not_overlap(browser, tmp_path, width):
-    from test_plots import make_run  # pytest puts tests/ on sys.path
+    from synthetic_run import make_run  # pytest puts tests/ on sys.path
 
-    from grpo_kit import plots
+    from grpo_kit import figures as kit_figures
+    from grpo_kit import report as html_report
 
     make_run(tmp_path / "run", 40)
-    report = plots.write_report(tmp_path / "run")
+    report = html_report.write_report(tmp_path / "run")
     page = browser.new_page(viewport={"width": width, "height": 1000})
     errors = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -416,7 +417,7 @@ def test_report_figures_do_not_overlap(browser, tmp_path, width):
     page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 5", timeout=60_000)
     figures = page.evaluate(BOXES_JS, ".plot .js-plotly-plot")
     page.close()
-    assert len(figures) == len(plots.FIGURES) and not errors
+    assert len(figures) == len(kit_figures.FIGURES) and not errors
     bad = [b for f in figures for b in overlaps(f)]
     assert not bad, bad
 

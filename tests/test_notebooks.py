@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 from papermill.cli import papermill as papermill_cli
 
-from grpo_kit import config, plots
+from grpo_kit import config, figures
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -97,7 +97,7 @@ def test_quickstart_runs_through_the_demo_with_vllm(quickstart):
     nb = nbformat.read(executed, as_version=4)
     assert not error_outputs(nb)
     assert json.loads((run_dir / "config.json").read_text())["sampling"]["engine"] == "vllm"
-    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(plots.FIGURES)  # live.show() under papermill
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(figures.FIGURES)  # live.show() under papermill
     for path in (executed, run_dir / "report.html", run_dir / "metrics.jsonl"):
         assert str(path) in out, f"the demo does not say where {path.name} is"
     assert "acc_after" in out
@@ -146,7 +146,7 @@ def test_inspect_run_redraws_a_finished_run(quickstart, tmp_path):
     run_dir, _ = quickstart
     nb = execute("04_inspect_run.ipynb", tmp_path, run_dir=str(run_dir), n_samples=4)
     assert not error_outputs(nb)
-    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(plots.FIGURES)
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(figures.FIGURES)
     assert f"{TINY['iterations']} of {TINY['iterations']} iterations, finished" in stdout(nb)
     assert any("completion" in html for html in outputs(nb, "text/html")), "no samples table"
 
@@ -242,7 +242,7 @@ def test_custom_task_notebook_trains_on_a_dataset_and_rewards_defined_in_cells(t
         comps = r["reward_components"]
         assert set(comps) == {"exact_answer", "brevity"} and r["reward_errors"] == 0
         assert r["reward_mean"] == pytest.approx(comps["exact_answer"] + 0.25 * comps["brevity"])
-    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(plots.FIGURES)
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(figures.FIGURES)
     assert all(r["prompt_id"].startswith("sums-train-") for r in read_jsonl(run_dir / "rollouts.jsonl"))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo_kit import cluster as cl
-from grpo_kit import config, loop, plots, preflight
+from grpo_kit import config, loop, preflight, report
 from grpo_kit.adapters import AdapterStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,7 +62,7 @@ def test_run_records_the_sweep_and_a_slow_fabric_stops_it(tmp_path, client):
     fabric = res.summary["preflight"]
     assert fabric["world_size"] == 2 and fabric["sizes"] == preflight.parse_sizes("1K:1M")
     assert json.loads((tmp_path / "ok" / "summary.json").read_text())["preflight"] == fabric
-    html = plots.write_report(tmp_path / "ok").read_text()
+    html = report.write_report(tmp_path / "ok").read_text()
     assert 'data-key="preflight"' in html and "busbw_peak_gbps" in html  # the report's summary table shows it
     slow = config.profile("tiny", run_dir=str(tmp_path / "slow"), preflight_min_busbw_gbps=1e6,
                           preflight_on_slow="error", **base)

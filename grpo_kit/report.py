@@ -1,0 +1,192 @@
+"""The HTML report of a run: one self-contained file that opens offline (plotly.js inlined once).
+
+It holds every figure of :data:`grpo_kit.figures.FIGURES`, the run's headline numbers
+(:func:`final_numbers`, and ``summary.json``), a few sampled completions and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .figures import FIGURES, all_figures
+from .records import load_run
+from .series import Record, all_spans, last_number, series, thin_records
+
+REPORT_MAX_POINTS = 3000
+"""Points per series the HTML report draws at most: every iteration of a 3,000-iteration run."""
+REPORT_KEEP_LAST = 500
+"""The most recent records the report always draws in full."""
+
+
+def format_number(v: Any) -> str:
+    """How the report writes a value.
+
+    >>> [format_number(v) for v in (0.6875, 2 / 3, 48066.0, 12, 3.2e-5, None)]
+    ['0.6875', '0.6667', '48,066', '12', '3.20e-05', 'n/a']
+    """
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return str(v)
+        if v == 0:
+            return "0"
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.2e}" if abs(v) < 1e-3 else f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        return json.dumps(v)
+    return str(v)
+
+
+def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
+    """Headline numbers of a run from its metric records (``None`` where the run has no such data).
+
+    Accuracy is strict (the ``#### <n>`` form and the right value); the lenient rows (the right value
+    by any rule) appear only for runs whose records carry lenient accuracy.
+    """
+    evals = series(records, "eval_acc")[1]
+    spans = all_spans(records)
+    iter_s = series(records, "iter_s")[1]
+
+    def total(key: str) -> float | None:
+        ys = series(records, key)[1]
+        return sum(ys) if ys else None
+
+    def peak(key: str) -> float | None:
+        ys = series(records, key)[1]
+        return max(ys) if ys else None
+
+    def lenient(name: str, key: str) -> dict[str, Any]:  # runs from before lenient grading have no such key
+        return {name: last_number(records, key)} if any(key in r for r in records) else {}
+
+    return {
+        "iterations": len(records),
+        "adapter version": last_number(records, "version"),
+        "base accuracy": last_number(records, "base_acc"),
+        "final eval accuracy": evals[-1] if evals else None,
+        **lenient("final eval accuracy (lenient)", "eval_lenient_acc"),
+        "best eval accuracy": max(evals) if evals else None,
+        "final train accuracy": last_number(records, "train_acc"),
+        **lenient("final train accuracy (lenient)", "train_lenient_acc"),
+        "final reward mean": last_number(records, "reward_mean"),
+        "final ratio mean": last_number(records, "ratio_mean"),
+        "final clip fraction": last_number(records, "clip_frac"),
+        "final KL": last_number(records, "kl_mean"),
+        "max staleness": peak("staleness_max"),
+        "rejected groups": total("rejected_groups"),
+        "tokens": total("tokens"),
+        "mean iteration (s)": sum(iter_s) / len(iter_s) if iter_s else None,
+        "wall time (s)": max(s[3] for s in spans) - min(s[2] for s in spans) if spans else None,
+    }
+
+
+def _table(rows: Mapping[str, Any], cls: str) -> str:
+    body = "".join(
+        f'<tr data-key="{html.escape(str(k))}"><th>{html.escape(str(k))}</th>'
+        f"<td>{html.escape(format_number(v))}</td></tr>"
+        for k, v in rows.items()
+    )
+    return f'<table class="{cls}">{body}</table>' if body else '<p class="none">none recorded</p>'
+
+
+def _pick_samples(samples: Sequence[Record], n: int) -> list[Record]:
+    """Up to ``n`` samples: half from the earliest iteration, half from the latest (before against after)."""
+    its = sorted({s.get("iteration") for s in samples if isinstance(s.get("iteration"), int)})
+    if len(its) < 2 or n < 2:
+        return list(samples[: max(n, 0)])
+    first = [s for s in samples if s.get("iteration") == its[0]][: n // 2]
+    last = [s for s in samples if s.get("iteration") == its[-1]][-(n - len(first)) :]
+    return first + last
+
+
+def _clip(text: Any, limit: int = 2000) -> str:
+    s = "" if text is None else str(text)
+    return s if len(s) <= limit else s[:limit] + " …"
+
+
+def _samples_html(samples: Sequence[Record], n: int) -> str:
+    picked = _pick_samples(samples, n)
+    if not picked:
+        return '<p class="none">no samples recorded</p>'
+    rows = "".join(
+        f"<tr><td>{html.escape(format_number(s.get('iteration')))}</td>"
+        f'<td class="num">{html.escape(format_number(s.get("reward")))}</td>'
+        f"<td><pre>{html.escape(_clip(s.get('prompt')))}</pre></td>"
+        f"<td><pre>{html.escape(_clip(s.get('completion')))}</pre></td>"
+        f"<td><pre>{html.escape(_clip(s.get('gold')))}</pre></td></tr>"
+        for s in picked
+    )
+    return (
+        '<table class="samples"><thead><tr><th>iteration</th><th>reward</th><th>prompt</th>'
+        f"<th>completion</th><th>gold</th></tr></thead><tbody>{rows}</tbody></table>"
+    )
+
+
+_CSS = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #222; background: #fafafa; }
+main { max-width: 1300px; margin: 0 auto; padding: 24px; }
+h1 { margin-bottom: 4px; } .meta { color: #666; margin-top: 0; }
+section { background: white; border: 1px solid #e4e4e4; border-radius: 6px; padding: 12px 18px; margin: 18px 0; }
+table { border-collapse: collapse; font-size: 14px; }
+th, td { text-align: left; padding: 4px 12px; border-bottom: 1px solid #eee; vertical-align: top; }
+.numbers td, td.num { font-variant-numeric: tabular-nums; }
+.columns { display: flex; gap: 48px; flex-wrap: wrap; }
+pre { margin: 0; white-space: pre-wrap; word-break: break-word; font-size: 13px; }
+.samples td:nth-child(4) { min-width: 420px; }
+.none { color: #888; }
+"""
+
+
+def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = None, *, n_samples: int = 6) -> Path:
+    """Write one self-contained HTML report of a run (default ``<run_dir>/report.html``) and return its path.
+
+    It holds every figure of :data:`FIGURES` (div ids ``fig-<name>``, plotly.js inlined once), the final
+    numbers (from the metrics and ``summary.json``), a few sampled completions and ``config.json``.
+    """
+    run = load_run(run_dir)
+    out = Path(path) if path is not None else Path(run_dir) / "report.html"
+    records = run["records"]
+    sections = []
+    for i, (name, fig) in enumerate(all_figures(thin_records(records, REPORT_MAX_POINTS, REPORT_KEEP_LAST)).items()):
+        div = fig.to_html(
+            full_html=False,
+            include_plotlyjs=(i == 0),
+            div_id=f"fig-{name}",
+            default_width="100%",
+            default_height=f"{fig.layout.height or 450}px",
+            config={"displaylogo": False, "responsive": True},
+        )
+        doc = html.escape((FIGURES[name].__doc__ or "").strip().split("\n")[0])
+        sections.append(f'<section class="plot" id="section-{name}">{div}<p class="meta">{doc}</p></section>')
+    title = html.escape(Path(run_dir).resolve().name)
+    written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>GRPO run {title}</title><style>{_CSS}</style></head>
+<body><main>
+<h1>GRPO run {title}</h1>
+<p class="meta">{html.escape(str(run_dir))} · {len(records)} iterations · written {written}</p>
+<section id="numbers"><h2>Final numbers</h2><div class="columns">
+<div><h3>from the metrics</h3>{_table(final_numbers(records), "numbers")}</div>
+<div><h3>summary.json</h3>{_table(run["summary"], "numbers summary")}</div></div></section>
+{"".join(sections)}
+<section id="samples"><h2>Sampled completions</h2>{_samples_html(run["samples"], n_samples)}</section>
+<section id="config"><h2>Configuration</h2><pre>{html.escape(json.dumps(run["config"], indent=2, sort_keys=True))}</pre></section>
+</main></body></html>
+"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, out)  # a notebook reloading the report never sees half a file
+    return out

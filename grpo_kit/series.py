@@ -1,0 +1,125 @@
+"""Numbers read out of a run's metric records: finite values, per-iteration series, spans, thinning.
+
+What the figures (:mod:`grpo_kit.figures`), the live widgets and the report share. Any key may be
+missing or ``None`` in an early or partial run: a series holds the records that have a number there.
+Long runs are drawn from a thinned view (:func:`thin_records`) so that a figure's cost stays flat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+Record = Mapping[str, Any]
+"""One per-iteration metrics record as read back (:class:`grpo_kit.records.MetricsRecord`'s keys)."""
+
+def number(v: Any) -> float | None:
+    """A finite real number as float, else None (bools, strings, NaN and null are not data)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def iteration_of(rec: Record, i: int) -> int:
+    it = rec.get("iteration")
+    return it if isinstance(it, int) and not isinstance(it, bool) else i
+
+
+def series(records: Sequence[Record], key: str | Callable[[Record], Any]) -> tuple[list[int], list[float]]:
+    """(iterations, values) over the records where ``key`` (a field or a function of the record) is a number."""
+    get = key if callable(key) else (lambda r: r.get(key))
+    xs, ys = [], []
+    for i, rec in enumerate(records):
+        y = number(get(rec))
+        if y is not None:
+            xs.append(iteration_of(rec, i))
+            ys.append(y)
+    return xs, ys
+
+
+
+def last_number(records: Sequence[Record], key: str) -> Any:
+    return next((r[key] for r in reversed(records) if number(r.get(key)) is not None), None)
+
+
+def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of a held-out measure, each at the step that produced the version it evaluated.
+
+    An evaluation finishes later than that step (version v comes out of iteration v - 1): plotted
+    at the iteration during which it finished, it would lag. Records without ``eval_version`` keep
+    their own iteration.
+    """
+    pts = []
+    for i, rec in enumerate(records):
+        y = number(rec.get(key))
+        v = rec.get("eval_version")
+        if y is not None:
+            pts.append((v - 1 if isinstance(v, int) and not isinstance(v, bool) else iteration_of(rec, i), y))
+    pts.sort()
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def all_spans(records: Sequence[Record]) -> list[tuple[str, Any, float, float]]:
+    """Well-formed spans ``(name, iteration, start, end)`` of all records, duplicates dropped."""
+    seen, out = set(), []
+    for rec in records:
+        spans = rec.get("spans")
+        for s in spans if isinstance(spans, list) else ():
+            if not isinstance(s, Mapping):
+                continue
+            start, end = number(s.get("start")), number(s.get("end"))
+            if start is None or end is None or end < start:
+                continue
+            key = (str(s.get("name")), s.get("iteration"), start, end)
+            if key not in seen:
+                seen.add(key)
+                out.append(key)
+    return out
+
+
+# ---------------------------------------------------------------- long runs
+
+
+def thin_indices(n: int, max_points: int, keep_last: int) -> list[int]:
+    """Which of ``n`` points to draw so that at most ``max_points`` remain: the last ``keep_last``
+    all, the older ones every ``stride``-th from the first, ``stride`` the smallest power of two
+    that fits them into the rest. A point once drawn stays drawn until the stride doubles, so a
+    live plot does not flicker as points arrive.
+
+    >>> thin_indices(5, 10, 2)
+    [0, 1, 2, 3, 4]
+    >>> thin_indices(12, 6, 2)
+    [0, 4, 8, 10, 11]
+    """
+    if max_points <= keep_last or keep_last < 0:
+        raise ValueError(f"need 0 <= keep_last < max_points, got keep_last={keep_last}, max_points={max_points}")
+    if n <= max_points:
+        return list(range(n))
+    old, room = n - keep_last, max_points - keep_last
+    stride = 1
+    while -(-old // stride) > room:
+        stride *= 2
+    return [*range(0, old, stride), *range(old, n)]
+
+
+def _has_eval(rec: Record) -> bool:
+    return rec.get("eval_acc") is not None or rec.get("eval_lenient_acc") is not None
+
+
+def thin_records(records: Sequence[Record], max_points: int, keep_last: int) -> list[Record]:
+    """At most ``max_points`` of ``records`` to draw a long run from (:func:`thin_indices`). Records
+    that carry an evaluation are a sparse series of their own: they get a quarter of the budget and
+    are thinned apart, so that held-out accuracy never vanishes between strides. Shorter runs come
+    back whole."""
+    if len(records) <= max_points:
+        return list(records)
+    evals = [i for i, r in enumerate(records) if _has_eval(r)]
+    if not evals:
+        return [records[i] for i in thin_indices(len(records), max_points, keep_last)]
+    ev_budget = max(2, max_points // 4)
+    dense = max_points - ev_budget
+    keep = {*thin_indices(len(records), dense, min(keep_last, dense - 1))}
+    keep.update(evals[i] for i in thin_indices(len(evals), ev_budget, min(keep_last, ev_budget // 2)))
+    return [records[i] for i in sorted(keep)]

@@ -1,0 +1,124 @@
+"""The HTML report of grpo_kit.report, on a synthetic run directory.
+
+The report is also opened in a real headless Chromium (Debian's ``chromium``): plotly must draw every
+figure without a JavaScript error, and a screenshot goes to ``runs/report.png`` for a person to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from synthetic_run import make_run
+
+from grpo_kit import figures, report
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+
+# ---------------------------------------------------------------- report
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    records = make_run(run_dir)
+    path = report.write_report(run_dir)
+    return records, path, path.read_text(encoding="utf-8")
+
+
+def test_report_is_one_self_contained_file(written):
+    _, path, text = written
+    assert path.name == "report.html" and not path.with_name("report.html.tmp").exists()
+    for name in figures.FIGURES:
+        assert f'id="fig-{name}"' in text
+    assert text.count("* plotly.js v") == 1  # inlined once
+    assert not re.search(r"<script[^>]*\bsrc=", text, re.I)  # nothing fetched from anywhere
+
+
+def test_report_holds_the_numbers_samples_and_config(written):
+    records, _, text = written
+    final_eval = [r["eval_acc"] for r in records if r["eval_acc"] is not None][-1]
+    assert report.format_number(final_eval) == "0.9375"
+    assert re.search(r'data-key="final eval accuracy"><th>[^<]*</th><td>0\.9375</td>', text)
+    assert re.search(r'data-key="final eval accuracy \(lenient\)"><th>[^<]*</th><td>0\.9875</td>', text)
+    assert "<td>0.25</td>" in text  # base accuracy
+    assert re.search(r'data-key="grpo_wall_s"><th>grpo_wall_s</th><td>1,234</td>', text)  # summary.json
+    assert re.search(r'data-key="tokens"><th>tokens</th><td>48,066</td>', text)
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt; &amp; 2 &lt; 3" in text
+    assert "<script>alert" not in text
+    assert "What is 0 + 0?" in text and "What is 3 + 11?" in text  # first and last iteration
+    assert "&quot;loss_type&quot;: &quot;dapo&quot;" in text
+
+
+def test_report_custom_path_and_empty_run(tmp_path):
+    out = report.write_report(tmp_path / "empty-run", tmp_path / "out" / "r.html")
+    text = out.read_text()
+    assert out == tmp_path / "out" / "r.html"
+    assert all(f'id="fig-{name}"' in text for name in figures.FIGURES)
+    assert "no samples recorded" in text
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (None, "n/a"),
+        (12, "12"),
+        (48066, "48,066"),
+        (0.9375, "0.9375"),
+        (2 / 3, "0.6667"),
+        (1234.5, "1,234"),
+        (3.2e-5, "3.20e-05"),
+        (0.0, "0"),
+        (True, "true"),
+    ],
+)
+def test_format_number(value, text):
+    assert report.format_number(value) == text
+
+
+def test_report_renders_in_headless_chromium(written, tmp_path):
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing on CI: apt-get install -y chromium")
+        pytest.skip("chromium not installed (apt-get install -y chromium)")
+    _, path, _ = written
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=5000",
+    ]
+    url = path.resolve().as_uri()
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180)
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    console = [ln for ln in dom.stderr.splitlines() if "CONSOLE" in ln or "Uncaught" in ln]
+    assert not [ln for ln in console if re.search(r"uncaught|error", ln, re.I)], console
+    # plotly drew every figure: each figure div holds its own <svg class="main-svg">
+    chunks = re.split(r'(?=<div id="fig-)', dom.stdout)
+    drawn = {m.group(1) for c in chunks if (m := re.match(r'<div id="fig-(\w+)"', c)) and 'class="main-svg"' in c}
+    assert drawn == set(figures.FIGURES), drawn
+    shot = ROOT / "runs" / "report.png"
+    shot.parent.mkdir(exist_ok=True)
+    shot.unlink(missing_ok=True)
+    snap = subprocess.run(
+        [*flags, f"--screenshot={shot}", "--window-size=1400,4000", url], capture_output=True, text=True, timeout=180
+    )
+    assert snap.returncode == 0 and shot.stat().st_size > 50_000, snap.stderr[-3000:]
