@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_kit import config, loop
+from grpo_kit import config, loop, records
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -81,7 +81,7 @@ def main() -> None:
         "total_s": time.time() - t0,
     }
     Path(args.run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(args.run_dir) / "summary.json").write_text(json.dumps({**summary, **out}, indent=1))
+    records.run_files(args.run_dir).summary.write_text(json.dumps({**summary, **out}, indent=1))
     print(json.dumps(out), flush=True)
 
 

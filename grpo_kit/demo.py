@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .records import run_files
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 DEFAULT_RUN_DIR = ROOT / "runs" / "quickstart"
@@ -80,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nthe notebook failed in cell {e.exec_count}: {e.ename}: {e.evalue}\nsee {executed}", file=sys.stderr)
         return 1
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    files = run_files(run_dir)
+    summary = json.loads(files.summary.read_text())
     print(f"\nexecuted notebook  {executed}")
     print(f"run directory      {run_dir}")
-    print(f"report             {run_dir / 'report.html'}")
-    print(f"metrics            {run_dir / 'metrics.jsonl'}")
+    print(f"report             {files.report}")
+    print(f"metrics            {files.metrics}")
     print("summary:")
     for key in SUMMARY_KEYS:
         value = summary.get(key)

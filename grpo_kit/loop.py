@@ -41,6 +41,7 @@ from . import preflight, tasks
 from .adapters import AdapterStore
 from .config import Config
 from .models import resolve_model
+from .records import append_jsonl, read_jsonl, run_files, trim_jsonl, write_jsonl
 from .retention import Pruner
 from .rollout import RolloutSummary
 from .sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
@@ -76,45 +77,6 @@ class RunResult:
     run_dir: Path
     records: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
-
-
-def _append_jsonl(path: Path, rec: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-
-
-def _read_records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a half-written last line from a crash
-    return out
-
-
-def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> int:
-    """Rewrite a JSONL file with the lines for which ``keep(record)`` holds, streaming (a long run's
-    ``rollouts.jsonl`` holds hundreds of MB; nothing is read whole). Stops at a half-written last
-    line (a crash mid-write). Returns the number of lines kept."""
-    if not path.exists():
-        return 0
-    tmp = path.with_name(path.name + ".trim")
-    kept = 0
-    with open(path) as src, open(tmp, "w") as dst:
-        for line in src:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            if keep(rec):
-                dst.write(line if line.endswith("\n") else line + "\n")
-                kept += 1
-    os.replace(tmp, path)
-    return kept
 
 
 def run(
@@ -158,8 +120,8 @@ def run(
             threads_per_worker=cfg.cluster.threads_per_worker,
             quiet=not progress,
         )
-    metrics_path = run_dir / "metrics.jsonl"
-    samples_path = run_dir / "samples.jsonl"
+    files = run_files(run_dir)
+    metrics_path, samples_path = files.metrics, files.samples
     run_id = run_id_for(cfg, store.root, task)
     gang = None
 
@@ -173,17 +135,17 @@ def run(
                     f"the adapter store {store.root} already holds versions {store.versions()[:5]}...; "
                     "pass resume=True to continue that run, or use a fresh run_dir / store_url"
                 )
-            for p in (metrics_path, samples_path, run_dir / "rollouts.jsonl"):
+            for p in (metrics_path, samples_path, files.rollouts):
                 p.unlink(missing_ok=True)
             state = _fresh_state(run_id)
         state = _reconcile(state, store)
         store.write_json(RUN_STATE, state)
-        records = [r for r in _read_records(metrics_path) if r["iteration"] < state["next_iteration"]]
+        records = [r for r in read_jsonl(metrics_path, stop_at_bad_line=True) if r["iteration"] < state["next_iteration"]]
         records += _recovered_records(store, records, state)
-        metrics_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-        for p in (samples_path, run_dir / "rollouts.jsonl"):  # drop lines of unfinished iterations
+        write_jsonl(metrics_path, records)
+        for p in (samples_path, files.rollouts):  # drop lines of unfinished iterations
             trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
-        (run_dir / "config.json").write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
+        files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
 
         t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
         if progress:
@@ -566,7 +528,7 @@ class _Driver:
         self.state["grpo_wall_s"] = self.wall_base + (time.time() - self.session_start)
         rec["grpo_wall_s"] = self.state["grpo_wall_s"]
         self.records.append(rec)
-        _append_jsonl(self.metrics_path, rec)
+        append_jsonl(self.metrics_path, [rec])
         self.state["next_iteration"] = rec["iteration"] + 1
         self.store.write_json(RUN_STATE, self.state)
         self.prune()
@@ -600,13 +562,10 @@ class _Driver:
     def _write_samples(self, it: int, rollouts: list[RolloutSummary]) -> None:
         every = self.cfg.run.rollouts_every
         if every and it % every == 0:
-            with open(self.samples_path.with_name("rollouts.jsonl"), "a") as f:
-                for r in rollouts:
-                    f.write(json.dumps(r.to_dict()) + "\n")
-        with open(self.samples_path, "a") as f:
-            for r in rollouts[:: max(1, len(rollouts) // 3)][:3]:
-                f.write(json.dumps({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
-                                    "gold": r.gold, "version": r.version}) + "\n")
+            append_jsonl(self.samples_path.with_name("rollouts.jsonl"), (r.to_dict() for r in rollouts))
+        append_jsonl(self.samples_path, ({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
+                                          "gold": r.gold, "version": r.version}
+                                         for r in rollouts[:: max(1, len(rollouts) // 3)][:3]))
 
     def finish(self, preflight: dict | None = None) -> dict:
         """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""
@@ -624,7 +583,7 @@ class _Driver:
             for res in final:
                 self._attach_eval(last, res)
             last["base_acc"] = self.state["base_acc"]
-            self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            write_jsonl(self.metrics_path, self.records)
         self.store.write_json(RUN_STATE, self.state)
         recs = [r for r in self.records if r.get("ratio_mean") is not None]
         evs = [e for e in self.state["evals"] if e["version"] == final_version]
@@ -647,7 +606,7 @@ class _Driver:
             "warm_up_s": self.warm_up_s,
             "preflight": preflight,
         }
-        (Path(self.cfg.run.run_dir) / "summary.json").write_text(json.dumps(summary, indent=1))
+        run_files(self.cfg.run.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
 
 

@@ -1,4 +1,15 @@
-"""The run record: reading a run directory's files (metrics, config, summary, samples).
+"""The run record: what a run writes to its directory, in one typed definition, and how it is read back.
+
+The driver (:mod:`grpo_kit.loop`) appends one :class:`MetricsRecord` per iteration to
+``metrics.jsonl``, three :class:`Sample` s per iteration to ``samples.jsonl`` and, every
+``rollouts_every`` iterations, every completion's :class:`~grpo_kit.rollout.RolloutSummary` to
+``rollouts.jsonl``; ``config.json`` and ``summary.json`` sit beside them (:class:`RunFiles`). The
+figures, the live widgets and the report read the same keys; ``tests/test_records.py`` checks that
+every key they read is declared here, so a renamed key breaks loudly.
+
+A record is a plain ``dict`` (JSON in, JSON out): the classes below are ``TypedDict`` s, a schema
+for readers and type checkers, not a wrapper. Any key may be missing or ``None`` in a record
+rebuilt after a crash (``recovered``) or written by an older version of the kit.
 """
 
 from __future__ import annotations
@@ -6,15 +17,304 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+# ---------------------------------------------------------------- the schema
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL file. The last line may be half written (a run in progress): it is dropped;
-    an unreadable line elsewhere is skipped with a warning."""
+class Span(TypedDict):
+    """One timed piece of work, drawn in the pipeline timeline."""
+
+    name: str
+    """``generate``, ``train``, ``publish`` or ``eval``."""
+    iteration: int
+    """The iteration the work belongs to (an evaluation: the one that submitted it; -1 for the base model)."""
+    start: float
+    """Unix time the work started."""
+    end: float
+    """Unix time it ended."""
+
+
+class EvalResult(TypedDict, total=False):
+    """A held-out evaluation of one adapter version (``cluster.eval_task``), in ``MetricsRecord.evals``."""
+
+    version: int
+    """The adapter version evaluated (0: the base model)."""
+    acc: float
+    """Strict accuracy (for the arithmetic tasks: the ``#### <n>`` form and the right value)."""
+    lenient_acc: float
+    """Lenient accuracy (the right value by any rule)."""
+    n: int
+    """Held-out problems evaluated."""
+    truncated: int
+    """Completions that hit the token budget."""
+    reward_errors: int
+    """Completions a reward function failed on."""
+    start: float
+    """Unix time the evaluation started."""
+    end: float
+    """Unix time it ended."""
+    iteration: int
+    """The iteration that submitted it (-1: the base model's, before the first)."""
+
+
+class Sample(TypedDict):
+    """One completion kept for the report (``samples.jsonl``: three per iteration)."""
+
+    iteration: int
+    """The iteration that generated it."""
+    prompt: str
+    """The problem's id."""
+    completion: str
+    """The completion's text."""
+    reward: float
+    """Its reward."""
+    gold: str
+    """The reference answer."""
+    version: int
+    """The adapter version that generated it."""
+
+
+class MetricsRecord(TypedDict, total=False):
+    """One iteration of a run: a line of ``metrics.jsonl``, and what the run's callbacks receive."""
+
+    iteration: int
+    """0-based iteration number."""
+    version: int
+    """The trainer's adapter version after this iteration's step (published as ``v<version>``)."""
+    rollout_version: int
+    """The adapter version the batch was submitted for generation with."""
+    recovered: bool
+    """Rebuilt on resume from the adapter's manifest (the driver died before writing it): trainer
+    statistics only, no rewards or timings."""
+    # rewards and accuracy
+    reward_mean: float | None
+    """Mean reward over the batch's completions."""
+    reward_std: float | None
+    """Standard deviation of the rewards (None for a single completion)."""
+    train_acc: float
+    """Share of the batch's completions graded correct (strict)."""
+    train_lenient_acc: float
+    """Share graded correct by the lenient rule."""
+    reward_components: dict[str, float | None]
+    """Each reward function's batch mean (unweighted; over the completions where it applied)."""
+    reward_errors: int
+    """Completions a reward function failed on (raised, timed out, returned a non-score)."""
+    reward_s: float
+    """Seconds the reward tasks spent scoring, summed over chunks."""
+    reward_workers: int
+    """Distinct workers that scored the batch."""
+    eval_acc: float | None
+    """Held-out accuracy (strict) of ``eval_version``, when an evaluation finished during this iteration."""
+    eval_lenient_acc: float | None
+    """Held-out accuracy (lenient) of ``eval_version``."""
+    eval_version: int
+    """The adapter version ``eval_acc`` measures (present with ``eval_acc``)."""
+    evals: list[EvalResult]
+    """Every evaluation that finished during this iteration (the base model's included)."""
+    base_acc: float | None
+    """The base model's held-out accuracy (strict), once measured."""
+    # the trainer's statistics (loss.py / train_step.py)
+    loss: float | None
+    """The step's loss."""
+    ratio_mean: float | None
+    """Mean importance ratio pi/pi_old over the batch's tokens."""
+    ratio_std: float | None
+    """Its standard deviation."""
+    ratio_min: float | None
+    """Its minimum."""
+    ratio_max: float | None
+    """Its maximum."""
+    clip_frac_low: float | None
+    """Share of tokens clipped at 1 - clip_eps."""
+    clip_frac_high: float | None
+    """Share of tokens clipped at 1 + clip_eps_high."""
+    clip_frac: float | None
+    """Share of tokens clipped either way."""
+    kl_mean: float | None
+    """Mean k3 KL to the base model (None when not computed)."""
+    is_mean: float | None
+    """Mean engine-mismatch weight pi_old/pi_engine (``old_logp_source="trainer"``)."""
+    is_min: float | None
+    """Its minimum, before the cap."""
+    is_max: float | None
+    """Its maximum, before the cap."""
+    is_capped_frac: float | None
+    """Share of tokens whose engine-mismatch weight was capped."""
+    grad_norm: float | None
+    """Gradient norm before clipping."""
+    tokens: int | None
+    """Completion tokens trained on."""
+    samples_nonzero_adv: int | None
+    """Completions with a non-zero advantage."""
+    # staleness and the groups trained on
+    staleness_max: int
+    """Largest version lag (trainer version minus generating version) of the groups trained on."""
+    staleness_mean: float
+    """Mean version lag of those groups."""
+    rejected_groups: int
+    """Groups dropped as too stale and generated again (``staleness_policy="discard"``)."""
+    kept_groups: int
+    """Groups trained on."""
+    generated_groups: int
+    """Groups generated for this iteration (every dynamic-sampling round)."""
+    zero_spread_groups: int
+    """Generated groups whose rewards were all equal (no advantage signal)."""
+    all_zero_spread: bool
+    """Every generated group had zero spread."""
+    trained_groups: int
+    """Groups in the training batch."""
+    # usable samples and their cost
+    usable_samples: int
+    """Completions trained on that sit in groups with reward spread."""
+    usable_tokens: int
+    """Their completion tokens."""
+    usable_share: float
+    """Share of the generated completions that were usable."""
+    usable_per_s: float
+    """Usable samples per second of iteration wall time."""
+    usable_cost_s: float | None
+    """Device-seconds (generation plus training) per usable sample."""
+    usable_cost: float | None
+    """Money per usable sample (``price_per_hour`` units; None without a price)."""
+    gen_device_s: float
+    """Seconds the rollout tasks ran, summed over workers."""
+    train_device_s: float
+    """The training step's wall time times the trainer ranks."""
+    rollout_workers: int
+    """Distinct rollout workers that generated the batch."""
+    # dynamic sampling (sampling.py)
+    gen_batches: int
+    """Generation rounds this iteration took (1 without dynamic sampling)."""
+    dropped_groups: int
+    """Zero-spread groups dropped by dynamic sampling."""
+    carried_in_groups: int
+    """Usable groups carried in from the previous iteration."""
+    carried_out_groups: int
+    """Usable groups carried over to the next iteration."""
+    expired_groups: int
+    """Carried groups dropped as too stale."""
+    # completions
+    truncated: int
+    """Completions that hit the token budget."""
+    completion_tokens: int
+    """Completion tokens generated for the batch."""
+    # timings (seconds; Unix times for t_*)
+    gen_s: float
+    """Wall time from the first rollout chunk's start to the last one's end."""
+    gen_wait_s: float
+    """Seconds from the iteration's start until its batch was in (dynamic sampling's extra rounds included)."""
+    train_s: float
+    """Wall time of the training step, publishing included."""
+    train_compute_s: float | None
+    """Rank 0's forward/backward/optimizer time."""
+    publish_s: float | None
+    """Rank 0's time publishing the adapter."""
+    checkpoint_s: float | None
+    """Rank 0's time writing the optimizer checkpoint."""
+    prepare_s: float | None
+    """Rank 0's time fetching and preparing the batch."""
+    gang_restarts: int
+    """Times the trainer gang was re-formed so far in this run."""
+    t_iter_start: float
+    """Unix time the iteration started."""
+    t_iter_end: float
+    """Unix time its record was complete."""
+    iter_s: float
+    """``t_iter_end - t_iter_start``."""
+    grpo_wall_s: float
+    """Wall time of the loop so far, summed over resumed sessions."""
+    spans: list[Span]
+    """Timed pieces of work: this iteration's generation, training, publishing, and evaluations that finished."""
+
+
+def schema_keys() -> frozenset[str]:
+    """Every key the record types declare (metrics, spans, evaluations, samples)."""
+    return frozenset().union(*(t.__annotations__ for t in (MetricsRecord, Span, EvalResult, Sample)))
+
+
+# ---------------------------------------------------------------- the run directory
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """The files of a run directory."""
+
+    root: Path
+    """The run directory (``RunConfig.run_dir``)."""
+
+    @property
+    def metrics(self) -> Path:
+        """One :class:`MetricsRecord` per line."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def samples(self) -> Path:
+        """Three :class:`Sample` s per iteration."""
+        return self.root / "samples.jsonl"
+
+    @property
+    def rollouts(self) -> Path:
+        """Every completion's :class:`~grpo_kit.rollout.RolloutSummary`, every ``rollouts_every`` iterations."""
+        return self.root / "rollouts.jsonl"
+
+    @property
+    def config(self) -> Path:
+        """The run's config and its task's description."""
+        return self.root / "config.json"
+
+    @property
+    def summary(self) -> Path:
+        """The run's final numbers, written at the end."""
+        return self.root / "summary.json"
+
+    @property
+    def report(self) -> Path:
+        """The HTML report's default path."""
+        return self.root / "report.html"
+
+
+def run_files(run_dir: str | os.PathLike) -> RunFiles:
+    """The :class:`RunFiles` of ``run_dir``."""
+    return RunFiles(Path(run_dir))
+
+
+# ---------------------------------------------------------------- JSONL
+
+
+def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Append ``rows`` to a JSONL file, one line each, and flush."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+        f.flush()
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
+    """Replace a JSONL file's contents with ``rows``."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def read_jsonl(path: Path, *, stop_at_bad_line: bool = False) -> list[dict[str, Any]]:
+    """Rows of a JSONL file (``[]`` when it is missing).
+
+    The last line may be half written (a run in progress, or a crash mid-write): it is dropped.
+    An unreadable line elsewhere is skipped with a warning or, with ``stop_at_bad_line`` (what the
+    driver uses on resume), ends the rows there.
+    """
     if not path.is_file():
         return []
+    if stop_at_bad_line:
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a half-written last line from a crash
+        return out
     lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     rows = []
     for i, line in enumerate(lines):
@@ -29,6 +329,27 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def trim_jsonl(path: Path, keep: Callable[[dict], bool]) -> int:
+    """Rewrite a JSONL file with the lines for which ``keep(record)`` holds, streaming (a long run's
+    ``rollouts.jsonl`` holds hundreds of MB; nothing is read whole). Stops at a half-written last
+    line (a crash mid-write). Returns the number of lines kept."""
+    if not path.exists():
+        return 0
+    tmp = path.with_name(path.name + ".trim")
+    kept = 0
+    with open(path) as src, open(tmp, "w") as dst:
+        for line in src:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            if keep(rec):
+                dst.write(line if line.endswith("\n") else line + "\n")
+                kept += 1
+    os.replace(tmp, path)
+    return kept
+
+
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object, or ``{}`` when the file is missing or not (yet) complete."""
     try:
@@ -40,10 +361,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def load_run(run_dir: str | os.PathLike) -> dict[str, Any]:
     """``{"records", "config", "summary", "samples"}`` of a run directory; missing files read as empty."""
-    d = Path(run_dir)
+    files = run_files(run_dir)
     return {
-        "records": read_jsonl(d / "metrics.jsonl"),
-        "config": read_json(d / "config.json"),
-        "summary": read_json(d / "summary.json"),
-        "samples": read_jsonl(d / "samples.jsonl"),
+        "records": read_jsonl(files.metrics),
+        "config": read_json(files.config),
+        "summary": read_json(files.summary),
+        "samples": read_jsonl(files.samples),
     }

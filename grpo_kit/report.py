@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .figures import FIGURES, all_figures
-from .records import load_run
+from .records import load_run, run_files
 from .series import Record, all_spans, last_number, series, thin_records
 
 REPORT_MAX_POINTS = 3000
@@ -156,7 +156,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
     numbers (from the metrics and ``summary.json``), a few sampled completions and ``config.json``.
     """
     run = load_run(run_dir)
-    out = Path(path) if path is not None else Path(run_dir) / "report.html"
+    out = Path(path) if path is not None else run_files(run_dir).report
     records = run["records"]
     sections = []
     for i, (name, fig) in enumerate(all_figures(thin_records(records, REPORT_MAX_POINTS, REPORT_KEEP_LAST)).items()):

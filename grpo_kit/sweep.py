@@ -33,6 +33,8 @@ from distributed import Client, LocalCluster, as_completed
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from .records import run_files
+
 METRICS = ("acc_after", "kl_final", "clip_fraction", "grpo_wall_s")
 """summary.json keys :func:`sweep_figure` compares by default."""
 
@@ -82,7 +84,7 @@ def run_point(notebook: str, output: str, params: dict[str, Any], cwd: str, kern
         pm.execute_notebook(notebook, output, parameters=params, kernel_name=kernel_name, cwd=cwd, progress_bar=False)
     except pm.PapermillExecutionError as e:
         error = f"{e.ename}: {e.evalue}"
-    summary_path = Path(params["run_dir"]) / "summary.json"
+    summary_path = run_files(params["run_dir"]).summary
     if error is None and not summary_path.is_file():
         error = f"the notebook finished but wrote no {summary_path}"
     summary = json.loads(summary_path.read_text()) if error is None else {}

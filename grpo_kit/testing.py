@@ -87,16 +87,15 @@ def assert_run_exact(run_dir, cfg, store) -> None:
     """Nothing lost or repeated in a finished run: ``metrics.jsonl`` holds iterations 0..N-1 once
     each, ``rollouts.jsonl`` holds every group of every iteration exactly once (``group_size``
     samples each), and the store holds versions 1..N, each the child of the one before."""
-    import json
     from collections import Counter
-    from pathlib import Path
 
-    run_dir, n = Path(run_dir), cfg.run.iterations
-    its = [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    from .records import read_jsonl, run_files
+
+    files, n = run_files(run_dir), cfg.run.iterations
+    its = [r["iteration"] for r in read_jsonl(files.metrics, stop_at_bad_line=True)]
     assert its == list(range(n)), f"metrics.jsonl iterations {its}, want 0..{n - 1} once each"
     by_iter: dict[int, Counter] = {}
-    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl(files.rollouts, stop_at_bad_line=True):
         by_iter.setdefault(r["iteration"], Counter())[(r["group_id"], r["sample_idx"])] += 1
     assert sorted(by_iter) == list(range(n)), f"rollouts.jsonl iterations {sorted(by_iter)}"
     want = {(g, i): 1 for g in range(cfg.sampling.prompts_per_step) for i in range(cfg.sampling.group_size)}

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from grpo_kit import cluster as cl
-from grpo_kit import config, loop
+from grpo_kit import config, loop, records
 from grpo_kit.adapters import AdapterStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -129,6 +129,9 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     assert res.records[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy first step
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["iteration"] for x in lines] == [0, 1, 2, 3]
+    declared = records.schema_keys()  # every key the driver writes has its line in the record schema
+    assert not {k for r in res.records for k in r} - declared
+    assert not {k for r in res.records for e in r.get("evals", []) + r["spans"] for k in e} - declared
     for key in ("reward_mean", "ratio_min", "ratio_max", "clip_frac", "kl_mean", "grad_norm", "samples_nonzero_adv",
                 "usable_samples", "usable_per_s", "truncated", "spans", "rejected_groups"):
         assert res.records[-1][key] is not None, key
@@ -268,25 +271,6 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client):
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0), k
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)  # the adapter did move
-
-
-def test_trim_jsonl_streams(tmp_path):
-    """Resume trims rollouts.jsonl line by line: a long run's file is never read whole."""
-    import tracemalloc
-
-    path = tmp_path / "rollouts.jsonl"
-    line = json.dumps({"iteration": 0, "completion_ids": list(range(2000))})
-    with open(path, "w") as f:
-        for it in range(400):  # ~4 MB
-            f.write(line.replace('"iteration": 0', f'"iteration": {it}') + "\n")
-        f.write('{"iteration": 400, "completion_ids": [1, 2')  # a half-written last line
-    tracemalloc.start()
-    kept = loop.trim_jsonl(path, lambda r: r["iteration"] < 300)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert kept == 300 and peak < 1_000_000, peak
-    lines = path.read_text().splitlines()
-    assert len(lines) == 300 and json.loads(lines[-1])["iteration"] == 299
 
 
 def test_resume_when_publish_happened_but_state_was_not_written(tmp_path, client):

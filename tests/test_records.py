@@ -1,9 +1,14 @@
-"""Reading a run directory (grpo_kit.records), on a synthetic run caught mid-write."""
+"""The run record (grpo_kit.records): the schema the figures and the report read, the JSONL helpers,
+and reading a run directory caught mid-write."""
 
 from __future__ import annotations
 
+import ast
+import json
+from pathlib import Path
+
 import pytest
-from synthetic_run import make_run
+from synthetic_run import make_run, synthetic_records
 
 from grpo_kit import records
 
@@ -27,3 +32,94 @@ def test_load_run_missing_files_and_a_bad_middle_line(tmp_path):
         run = records.load_run(tmp_path)
     assert [r["iteration"] for r in run["records"]] == [0, 2]
     assert run["summary"] == {}
+
+
+def test_read_jsonl_can_stop_at_the_first_bad_line(tmp_path):
+    path = tmp_path / "m.jsonl"
+    records.append_jsonl(path, [{"iteration": 0}, {"iteration": 1}])
+    with open(path, "a") as f:
+        f.write('{"iteration": 2, "rew\n{"iteration": 3}\n')
+    assert [r["iteration"] for r in records.read_jsonl(path, stop_at_bad_line=True)] == [0, 1]
+    with pytest.warns(UserWarning, match="line 3"):
+        assert [r["iteration"] for r in records.read_jsonl(path)] == [0, 1, 3]
+    records.write_jsonl(path, [{"iteration": 7}])
+    assert records.read_jsonl(path) == [{"iteration": 7}]
+
+
+def test_trim_jsonl_streams(tmp_path):
+    """Resume trims rollouts.jsonl line by line: a long run's file is never read whole."""
+    import tracemalloc
+
+    path = tmp_path / "rollouts.jsonl"
+    line = json.dumps({"iteration": 0, "completion_ids": list(range(2000))})
+    with open(path, "w") as f:
+        for it in range(400):  # ~4 MB
+            f.write(line.replace('"iteration": 0', f'"iteration": {it}') + "\n")
+        f.write('{"iteration": 400, "completion_ids": [1, 2')  # a half-written last line
+    tracemalloc.start()
+    kept = records.trim_jsonl(path, lambda r: r["iteration"] < 300)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert kept == 300 and peak < 1_000_000, peak
+    lines = path.read_text().splitlines()
+    assert len(lines) == 300 and json.loads(lines[-1])["iteration"] == 299
+
+
+# ---------------------------------------------------------------- the schema
+
+READERS = ("figures.py", "series.py", "report.py")
+"""The modules that read records; every key they look up must be declared in records.py."""
+
+
+RECORD_NAMES = {"r", "rec", "s"}
+"""What the readers call a record, a span or a sample."""
+SERIES_HELPERS = {"series", "eval_series", "last_number", "lenient", "total", "peak", "_sum"}
+"""Functions the readers hand a record key to."""
+
+
+def keys_read(path: Path) -> set[str]:
+    """String keys ``path`` looks up in a record: ``r.get("k")``, ``r["k"]``, ``series(records, "k")``,
+    ``for k in ("k1", "k2")`` and ``keys = ("k1", "k2")``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        args = []
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "get" and getattr(f.value, "id", None) in RECORD_NAMES:
+                args = node.args[:1]
+            elif getattr(f, "id", None) in SERIES_HELPERS:
+                args = node.args
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) in RECORD_NAMES:
+            args = [node.slice]
+        elif isinstance(node, ast.comprehension) and getattr(node.target, "id", None) == "k":  # for k in ("a", "b")
+            args = getattr(node.iter, "elts", [])
+        elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["keys"]:
+            args = getattr(node.value, "elts", [])
+        out |= {a.value for a in args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    return out
+
+
+def test_every_key_the_readers_look_up_is_declared():
+    root = Path(records.__file__).parent
+    declared = records.schema_keys()
+    not_records = {"final eval accuracy (lenient)", "final train accuracy (lenient)"}  # the report's row names
+    for name in READERS:
+        read = keys_read(root / name) - not_records
+        assert len(read) >= 5, (name, read)
+        assert not read - declared, (name, sorted(read - declared))
+
+
+def test_the_synthetic_run_uses_declared_keys():
+    declared = records.schema_keys()
+    recs = synthetic_records(8)
+    assert not {k for r in recs for k in r} - declared
+    assert not {k for r in recs for s in r["spans"] for k in s} - declared
+
+
+def test_run_files():
+    files = records.run_files("runs/x")
+    assert files.metrics == Path("runs/x/metrics.jsonl") and files.report.name == "report.html"
+    assert {files.samples.name, files.rollouts.name, files.config.name, files.summary.name} == {
+        "samples.jsonl", "rollouts.jsonl", "config.json", "summary.json"}
+    assert json.dumps(records.load_run(files.root)) == json.dumps(
+        {"records": [], "config": {}, "summary": {}, "samples": []})
