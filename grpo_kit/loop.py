@@ -8,11 +8,11 @@ further ahead, and a batch more than ``max_staleness`` versions behind when its 
 dropped, counted in ``rejected_groups`` and generated again from the current adapter.
 ``pipelined=False`` runs the same work in order.
 
-Every iteration appends a record to ``<run_dir>/metrics.jsonl`` and checkpoints: the trainer's
-rank 0 publishes adapter ``v+1`` and its optimizer state to the store, then the driver writes the
-run state (``state/run.json``). ``run(..., resume=True)`` continues at the next unfinished
-iteration; an iteration whose adapter was published but whose run state was not (the driver died
-in between) is recognised from the adapter's manifest and not repeated.
+Each iteration is four steps (``_Driver.loop``): *assemble* the batch (regenerating a too-stale one,
+submitting the next ones, dynamic sampling's top-up), *train* (one trainer-gang step: rank 0
+publishes adapter ``v+1`` and its optimizer state to the store), *record* (the metrics record,
+:mod:`grpo_kit.metrics`) and *publish* (the record appended to ``<run_dir>/metrics.jsonl``, the run
+state written: :mod:`grpo_kit.checkpoint`, which also holds ``run(..., resume=True)``).
 
 Seeds derive from (run seed, iteration, group), so a retried rollout task reproduces its batch.
 
@@ -34,21 +34,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from . import checkpoint, preflight, tasks
 from . import cluster as cl
-from . import preflight, tasks
 from .adapters import AdapterStore
 from .config import Config
+from .metrics import Batch, Step, iteration_record, run_summary
 from .models import resolve_model
-from .records import append_jsonl, read_jsonl, run_files, trim_jsonl, write_jsonl
+from .records import MetricsRecord, append_jsonl, run_files, write_jsonl
 from .retention import Pruner
 from .rollout import RolloutSummary
-from .sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
+from .sampling import Group, extra_prompts, groups_of, select_groups, summaries_of
 from .tasks import Task
 from .trainer import RankSpec
-
-RUN_STATE = "run"
 
 
 def _seed(*parts) -> int:
@@ -122,29 +119,11 @@ def run(
         )
     files = run_files(run_dir)
     metrics_path, samples_path = files.metrics, files.samples
-    run_id = run_id_for(cfg, store.root, task)
+    run_id = checkpoint.run_id_for(cfg, store.root, task)
     gang = None
 
     try:
-        state = _load_state(store, run_id) if resume else None
-        if state is None and resume and store.latest() is not None:
-            state = _fresh_state(run_id)  # died in iteration 0, after the first publish
-        if state is None:
-            if store.latest() is not None:
-                raise FileExistsError(
-                    f"the adapter store {store.root} already holds versions {store.versions()[:5]}...; "
-                    "pass resume=True to continue that run, or use a fresh run_dir / store_url"
-                )
-            for p in (metrics_path, samples_path, files.rollouts):
-                p.unlink(missing_ok=True)
-            state = _fresh_state(run_id)
-        state = _reconcile(state, store)
-        store.write_json(RUN_STATE, state)
-        records = [r for r in read_jsonl(metrics_path, stop_at_bad_line=True) if r["iteration"] < state["next_iteration"]]
-        records += _recovered_records(store, records, state)
-        write_jsonl(metrics_path, records)
-        for p in (samples_path, files.rollouts):  # drop lines of unfinished iterations
-            trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
+        state, records = checkpoint.restore(store, run_id, files, resume)
         files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
 
         t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
@@ -188,67 +167,6 @@ def run(
             client.close()
             if cluster is not None:
                 cluster.close()
-
-
-def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
-    """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
-    d = {**cfg.to_dict(), "task": task.describe()}
-    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
-                                                         "price_per_hour", "keep_versions", "keep_every",
-                                                         "rollouts_every")}
-    d.pop("cluster")
-    blob = json.dumps(d, sort_keys=True) + store_root
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def _fresh_state(run_id: str) -> dict:
-    return {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0, "evals": []}
-
-
-def _load_state(store: AdapterStore, run_id: str) -> dict | None:
-    try:
-        state = store.read_json(RUN_STATE)
-    except FileNotFoundError:
-        return None
-    if state.get("run_id") != run_id:
-        raise ValueError(
-            f"resume=True but the store's run state belongs to another configuration (run_id {state.get('run_id')} "
-            f"!= {run_id}); resume with the same config or start a fresh run_dir"
-        )
-    return state
-
-
-def _reconcile(state: dict, store: AdapterStore) -> dict:
-    """Fold in a step that published its adapter but died before the run state was written."""
-    latest = store.latest() or 0
-    while latest > state["version"]:
-        v = state["version"] + 1
-        meta = store.manifest(v).get("meta", {})
-        state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1)}
-    return state
-
-
-_STAT_KEYS = {"loss": "loss", "ratio_mean": "ratio_mean", "ratio_std": "ratio_std", "ratio_min": "ratio_min",
-              "ratio_max": "ratio_max", "clip_low": "clip_frac_low", "clip_high": "clip_frac_high",
-              "clip_frac": "clip_frac", "kl": "kl_mean", "grad_norm": "grad_norm", "tokens": "tokens"}
-
-
-def _recovered_records(store: AdapterStore, records: list[dict], state: dict) -> list[dict]:
-    """Records of iterations whose adapter was published but whose record was never written (the
-    driver stopped in between, e.g. a kernel interrupt): rebuilt from the adapters' manifests (the
-    trainer's statistics; no rewards or timings), marked ``recovered``."""
-    have = {r["iteration"] for r in records}
-    last = max((r["version"] for r in records), default=0)
-    out = []
-    for v in range(last + 1, state["version"] + 1):
-        meta = store.manifest(v).get("meta", {})
-        it = meta.get("iteration")
-        if it is None or it in have or it >= state["next_iteration"]:
-            continue
-        stats = meta.get("stats", {})
-        out.append({"iteration": it, "version": v, "recovered": True, "reward_mean": None, "eval_acc": None,
-                    **{key: stats.get(k) for k, key in _STAT_KEYS.items()}})
-    return out
 
 
 class _Driver:
@@ -333,7 +251,7 @@ class _Driver:
         prompts_per_step`` prompts in all.
         Returns every round's summaries, the groups to train on, and the counts for the record."""
         s, version = self.cfg.sampling, self.state["version"]
-        fresh = _groups(results, scored, s.group_size)
+        fresh = groups_of(results, scored, s.group_size)
         carried = len(self.carry)
         sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
         rounds, bound = 1, s.prompts_per_step * s.max_gen_batches
@@ -342,7 +260,7 @@ class _Driver:
             more_f, more_scored = self.submit_round(it, rounds, version, n, priority=10)
             more = self.client.gather(more_f)
             results = results + more
-            fresh += _groups(more, more_scored, s.group_size)
+            fresh += groups_of(more, more_scored, s.group_size)
             rounds += 1
             sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
         self.groups_seen[0] += sum(g.has_spread for g in fresh)
@@ -382,144 +300,78 @@ class _Driver:
         if start == 0 and self.state["base_acc"] is None and cfg.run.eval_every > 0:
             self.submit_eval(-1, 0)
         for it in range(start, cfg.run.iterations):
-            t_iter = time.time()
+            batch = self.assemble(it)
+            step = self.train(batch)
+            rec = self.record(batch, step)
+            if self.depth == 0:  # in order: the next batch is generated by the adapter this step published
+                self.submit_generation(it + 1)
+            self.publish(rec, bar)
+
+    def assemble(self, it: int) -> Batch:
+        """Wait for ``it``'s batch (generating it again if it is too stale), submit the next batches
+        (pipelining: before this one trains) and, with dynamic sampling, top it up to usable groups."""
+        cfg, s = self.cfg, self.cfg.sampling
+        t_iter = time.time()
+        pend = self.pending.pop(it)
+        results = self.client.gather(pend.futures)
+        rejected = 0
+        if self.state["version"] - pend.version > cfg.run.max_staleness:
+            # too stale (staleness_policy="discard"): drop it, generate it again from the current adapter
+            rejected = cfg.sampling.prompts_per_step
+            self.submit_generation(it, version=self.state["version"])
             pend = self.pending.pop(it)
             results = self.client.gather(pend.futures)
-            rejected = 0
-            if self.state["version"] - pend.version > cfg.run.max_staleness:
-                # too stale (staleness_policy="discard"): drop it, generate it again from the current adapter
-                rejected = cfg.sampling.prompts_per_step
-                self.submit_generation(it, version=self.state["version"])
-                pend = self.pending.pop(it)
-                results = self.client.gather(pend.futures)
+        t_gen_done = time.time()
+        for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
+            self.submit_generation(j)
+        picked = dyn = None
+        if cfg.sampling.dynamic_sampling:
+            results, picked, dyn = self.fill_usable(it, results, pend.scored)
             t_gen_done = time.time()
-            for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
-                self.submit_generation(j)
-            picked = dyn = None
-            if cfg.sampling.dynamic_sampling:
-                results, picked, dyn = self.fill_usable(it, results, pend.scored)
-                t_gen_done = time.time()
-            rec = self.train_on(it, pend, results, t_iter, t_gen_done, rejected, picked, dyn)
-            if self.depth == 0:
-                self.submit_generation(it + 1)
-            self.finish_iteration(rec, bar)
-
-    def train_on(self, it, pend, results, t_iter, t_gen_done, rejected: int = 0, picked: list[Group] | None = None,
-                 dyn: dict | None = None) -> dict:
-        """Train on the batch (``picked``: dynamic sampling's usable groups; None: all of ``results``)."""
-        cfg, s = self.cfg, self.cfg.sampling
-        rollouts = _summaries(results)
+        # the batch to train on (``picked``: dynamic sampling's usable groups; None: all of ``results``)
+        rollouts = summaries_of(results)
         if picked is None:
-            generated = _groups(results, pend.scored, s.group_size)
+            generated = groups_of(results, pend.scored, s.group_size)
             want = [(g, i) for g in range(s.prompts_per_step) for i in range(s.group_size)]
             if [(r.group_id, r.sample_idx) for r in rollouts] != want:
                 raise RuntimeError(f"iteration {it}: rollouts do not form {s.prompts_per_step} complete groups of {s.group_size}")
             picked = generated
         else:
-            generated = _groups(results, None, s.group_size)
+            generated = groups_of(results, None, s.group_size)
         version = self.state["version"]
         lags = [version - g.version for g in picked] or [version - pend.version]
         lag = max(lags)
         if lag > cfg.run.max_staleness:  # the loop regenerates too-stale batches before they get here
             raise RuntimeError(f"iteration {it}: a batch {lag} versions behind reached the trainer (max_staleness "
                                f"{cfg.run.max_staleness})")
-        n_groups = len(picked)
+        return Batch(it, pend.version, results, rollouts, generated, picked, lags, rejected, dyn, t_iter, t_gen_done)
+
+    def train(self, batch: Batch) -> Step:
+        """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
+        the evaluation of that version is submitted when one is due."""
+        cfg, it = self.cfg, batch.iteration
+        version = self.state["version"]
         # by reference: the ranks fetch the tokens and take the advantages from the same rewards
-        batch = _batch(picked, s.group_size)
-
+        rollout_batch = _batch(batch.picked, cfg.sampling.group_size)
         t_train = time.time()
-        stats = self.gang.step(batch, version, it, self.store) if batch else {}
+        stats = self.gang.step(rollout_batch, version, it, self.store) if rollout_batch else {}
         t_train_end = time.time()
-        self.state["version"] = version + 1 if batch else version
-        if batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
+        self.state["version"] = version + 1 if rollout_batch else version
+        if rollout_batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
             self.submit_eval(it, self.state["version"])
+        return Step(stats, bool(rollout_batch), t_train, t_train_end)
 
-        gen_spans = [{"name": "generate", "iteration": it, "start": r["start"], "end": r["end"]} for r in results]
-        spans = list(gen_spans)
-        ranks = stats.get("ranks", [])
-        if ranks:
-            r0 = ranks[0]
-            spans.append({"name": "train", "iteration": it, "start": r0["start"], "end": r0["start"] + r0["prepare_s"] + r0["compute_s"]})
-            spans.append({"name": "publish", "iteration": it, "start": r0["end"] - r0["publish_s"] - r0["checkpoint_s"],
-                          "end": r0["end"]})
-        n_rollouts = len(rollouts)
-        usable = usable_samples(picked)
-        iter_end = time.time()
-        gen_s = max(r["end"] for r in results) - min(r["start"] for r in results)
-        # device-seconds: each rollout task's time on its worker, and the gang's wall time on every rank
-        gen_device_s = sum(r["end"] - r["start"] for r in results)
-        train_device_s = (t_train_end - t_train) * cfg.cluster.world_size if batch else 0.0
-        cost_s, cost = usable_cost(gen_device_s + train_device_s, usable, cfg.run.price_per_hour)
-        dyn = dyn or {"gen_batches": 1, "dropped_groups": 0, "carried_in_groups": 0, "carried_out_groups": 0,
-                      "expired_groups": 0}
-        rec = {
-            "iteration": it,
-            "version": self.state["version"],
-            "rollout_version": pend.version,
-            "reward_mean": float(torch.tensor([r.reward for r in rollouts]).mean()) if rollouts else None,
-            "reward_std": float(torch.tensor([r.reward for r in rollouts]).std()) if n_rollouts > 1 else None,
-            "train_acc": sum(bool(r.correct) for r in rollouts) / max(1, n_rollouts),
-            "train_lenient_acc": sum(bool(r.lenient_correct) for r in rollouts) / max(1, n_rollouts),
-            "reward_components": _component_means(rollouts),
-            "reward_errors": sum(r.reward_errors for r in rollouts),
-            "reward_s": sum(res["reward_end"] - res["reward_start"] for res in results),
-            "reward_workers": len({res["reward_worker"] for res in results}),
-            "eval_acc": None,
-            "eval_lenient_acc": None,
-            "base_acc": self.state["base_acc"],
-            "loss": stats.get("loss"),
-            "ratio_mean": stats.get("ratio_mean"),
-            "ratio_std": stats.get("ratio_std"),
-            "ratio_min": stats.get("ratio_min"),
-            "ratio_max": stats.get("ratio_max"),
-            "clip_frac_low": stats.get("clip_low"),
-            "clip_frac_high": stats.get("clip_high"),
-            "clip_frac": stats.get("clip_frac"),
-            "kl_mean": _finite(stats.get("kl")),
-            "is_mean": stats.get("is_mean"),
-            "is_min": stats.get("is_min"),
-            "is_max": stats.get("is_max"),
-            "is_capped_frac": stats.get("is_capped_frac"),
-            "grad_norm": stats.get("grad_norm"),
-            "tokens": stats.get("tokens"),
-            "samples_nonzero_adv": stats.get("samples_nonzero_adv"),
-            "staleness_max": lag,
-            "staleness_mean": sum(lags) / len(lags),
-            "rejected_groups": rejected,
-            "kept_groups": n_groups,
-            "generated_groups": len(generated),
-            "zero_spread_groups": sum(not g.has_spread for g in generated),
-            "all_zero_spread": bool(generated) and not any(g.has_spread for g in generated),
-            "usable_samples": usable,
-            "usable_tokens": sum(g.tokens for g in picked if g.has_spread),
-            "usable_share": usable_samples(generated) / max(1, n_rollouts),
-            "usable_per_s": usable / max(1e-9, iter_end - t_iter),
-            "usable_cost_s": cost_s,
-            "usable_cost": cost,
-            "gen_device_s": gen_device_s,
-            "train_device_s": train_device_s,
-            "rollout_workers": len({r.get("worker") for r in results}),
-            "trained_groups": len(picked),
-            **dyn,
-            "truncated": sum(r.truncated for r in rollouts),
-            "completion_tokens": sum(r.completion_tokens for r in rollouts),
-            "gen_s": gen_s,
-            "gen_wait_s": t_gen_done - t_iter,
-            "train_s": t_train_end - t_train,
-            "train_compute_s": ranks[0]["compute_s"] if ranks else None,
-            "publish_s": ranks[0]["publish_s"] if ranks else None,
-            "checkpoint_s": ranks[0]["checkpoint_s"] if ranks else None,
-            "prepare_s": ranks[0]["prepare_s"] if ranks else None,
-            "gang_restarts": self.gang.restarts,
-            "t_iter_start": t_iter,
-            "t_iter_end": iter_end,
-            "iter_s": iter_end - t_iter,
-            "spans": spans,
-        }
-        self._write_samples(it, rollouts)
+    def record(self, batch: Batch, step: Step) -> MetricsRecord:
+        """The iteration's metrics record; a few of its completions go to ``samples.jsonl`` (and all to
+        ``rollouts.jsonl`` every ``rollouts_every`` iterations)."""
+        rec = iteration_record(self.cfg, batch, step, self.state["version"], self.state["base_acc"],
+                               self.gang.restarts)
+        self._write_samples(batch.iteration, batch.rollouts)
         return rec
 
-    def finish_iteration(self, rec: dict, bar) -> None:
+    def publish(self, rec: MetricsRecord, bar) -> None:
+        """Commit the iteration: attach finished evaluations, append the record, write the run state,
+        apply retention, call the callbacks."""
         for res in self.collect_evals():
             self._attach_eval(rec, res)
         rec["base_acc"] = self.state["base_acc"]
@@ -530,7 +382,7 @@ class _Driver:
         self.records.append(rec)
         append_jsonl(self.metrics_path, [rec])
         self.state["next_iteration"] = rec["iteration"] + 1
-        self.store.write_json(RUN_STATE, self.state)
+        checkpoint.save_state(self.store, self.state)
         self.prune()
         for cb in self.callbacks:
             cb(rec)
@@ -584,64 +436,10 @@ class _Driver:
                 self._attach_eval(last, res)
             last["base_acc"] = self.state["base_acc"]
             write_jsonl(self.metrics_path, self.records)
-        self.store.write_json(RUN_STATE, self.state)
-        recs = [r for r in self.records if r.get("ratio_mean") is not None]
-        evs = [e for e in self.state["evals"] if e["version"] == final_version]
-        summary = {
-            "acc_before": self.state["base_acc"],
-            "acc_after": evs[-1]["acc"] if evs else None,
-            "lenient_acc_before": self.state.get("base_lenient_acc"),
-            "lenient_acc_after": evs[-1].get("lenient_acc") if evs else None,
-            "grpo_wall_s": self.state["grpo_wall_s"],
-            "iterations": self.state["next_iteration"],
-            "final_version": final_version,
-            "ratio_mean": sum(r["ratio_mean"] for r in recs) / len(recs) if recs else None,
-            "clip_fraction": sum(r.get("clip_frac") or 0.0 for r in recs) / len(recs) if recs else None,
-            "kl_final": recs[-1]["kl_mean"] if recs else None,
-            "rejected_groups": sum(r.get("rejected_groups") or 0 for r in self.records),  # recovered records lack it
-            "truncated": sum(r.get("truncated") or 0 for r in self.records),
-            "recovered_records": sum(bool(r.get("recovered")) for r in self.records),
-            "gang_restarts": self.gang.restarts,
-            "startup_s": self.startup_s,
-            "warm_up_s": self.warm_up_s,
-            "preflight": preflight,
-        }
+        checkpoint.save_state(self.store, self.state)
+        summary = run_summary(self.state, self.records, self.gang.restarts, self.startup_s, self.warm_up_s, preflight)
         run_files(self.cfg.run.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
-
-
-def _component_means(rollouts: list[RolloutSummary]) -> dict:
-    """Mean score of each reward component over the batch (completions where it applied)."""
-    out: dict = {}
-    for name in (rollouts[0].reward_components or {}) if rollouts else ():
-        vals = [r.reward_components[name] for r in rollouts if r.reward_components and r.reward_components.get(name) is not None]
-        out[name] = sum(vals) / len(vals) if vals else None
-    return out
-
-
-def _summaries(results: list[dict]) -> list[RolloutSummary]:
-    """The chunks' rollout summaries in training order (group, then sample)."""
-    rows = [RolloutSummary.from_dict(r) for res in results for r in res["rollouts"]]
-    return sorted(rows, key=lambda r: (r.group_id, r.sample_idx))
-
-
-def _groups(results: list[dict], scored: list | None, group_size: int) -> list[Group]:
-    """The groups of some chunks' summaries (each chunk holds whole groups), in group order. Each
-    group's payload is its completions as ``(summary, scored chunk future, index in that chunk)``:
-    where the trainer ranks will fetch the tokens from (``scored`` None: no futures, records only)."""
-    by: dict[int, list] = {}
-    for c, res in enumerate(results):
-        for i, d in enumerate(res["rollouts"]):
-            r = RolloutSummary.from_dict(d)
-            by.setdefault(r.group_id, []).append((r, None if scored is None else scored[c], i))
-    out = []
-    for gid in sorted(by):
-        rs = sorted(by[gid], key=lambda x: x[0].sample_idx)
-        if len(rs) != group_size:
-            raise RuntimeError(f"group {gid} has {len(rs)} completions, not group_size={group_size}")
-        out.append(Group(tuple(float(r.reward) for r, _, _ in rs), rs[0][0].version,
-                         sum(r.completion_tokens for r, _, _ in rs), rs))
-    return out
 
 
 def _batch(groups: list[Group], group_size: int) -> cl.RolloutBatch:
@@ -659,10 +457,6 @@ def _batch(groups: list[Group], group_size: int) -> cl.RolloutBatch:
 def _eval_version(fut) -> int:
     """The adapter version of an evaluation future (its key ends in ``-v<version>``, submit_eval)."""
     return int(str(fut.key).rsplit("-v", 1)[1])
-
-
-def _finite(x):
-    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
 
 
 def _fmt(x):

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .rollout import RolloutSummary
+
 
 @dataclass(frozen=True)
 class Group:
@@ -129,3 +131,31 @@ def usable_cost(device_s: float, usable: int, price_per_hour: float = 0.0) -> tu
         return None, None
     per = device_s / usable
     return per, (per * price_per_hour / 3600.0 if price_per_hour > 0 else None)
+
+
+# ---------------------------------------------------------------- groups of the rollout chunks
+
+
+def summaries_of(results: list[dict]) -> list[RolloutSummary]:
+    """The chunks' rollout summaries in training order (group, then sample)."""
+    rows = [RolloutSummary.from_dict(r) for res in results for r in res["rollouts"]]
+    return sorted(rows, key=lambda r: (r.group_id, r.sample_idx))
+
+
+def groups_of(results: list[dict], scored: list | None, group_size: int) -> list[Group]:
+    """The groups of some chunks' summaries (each chunk holds whole groups), in group order. Each
+    group's payload is its completions as ``(summary, scored chunk future, index in that chunk)``:
+    where the trainer ranks will fetch the tokens from (``scored`` None: no futures, records only)."""
+    by: dict[int, list] = {}
+    for c, res in enumerate(results):
+        for i, d in enumerate(res["rollouts"]):
+            r = RolloutSummary.from_dict(d)
+            by.setdefault(r.group_id, []).append((r, None if scored is None else scored[c], i))
+    out = []
+    for gid in sorted(by):
+        rs = sorted(by[gid], key=lambda x: x[0].sample_idx)
+        if len(rs) != group_size:
+            raise RuntimeError(f"group {gid} has {len(rs)} completions, not group_size={group_size}")
+        out.append(Group(tuple(float(r.reward) for r, _, _ in rs), rs[0][0].version,
+                         sum(r.completion_tokens for r, _, _ in rs), rs))
+    return out

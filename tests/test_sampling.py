@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from grpo_kit import checkpoint, config, loop, tasks
 from grpo_kit import cluster as cl
-from grpo_kit import config, loop, tasks
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
 
@@ -68,7 +68,7 @@ def test_config_fields():
         config.profile("tiny", price_per_hour=-1.0)
     # the price only changes the report: a resumed run may set another
     task = tasks.for_config(cfg)
-    assert loop.run_id_for(cfg, "x", task) == loop.run_id_for(cfg.override(price_per_hour=0.0), "x", task)
+    assert checkpoint.run_id_for(cfg, "x", task) == checkpoint.run_id_for(cfg.override(price_per_hour=0.0), "x", task)
 
 
 # ----------------------------------------------------------------- the driver

@@ -1,0 +1,117 @@
+"""Checkpoint and resume of a run: the run state in the adapter store, and what a resumed run continues from.
+
+After every iteration the trainer's rank 0 publishes adapter ``v+1`` and its optimizer state to the
+store, then the driver writes the run state (``state/run.json`` in the store: next iteration,
+version, base accuracy, evaluations, wall time; :func:`save_state`). :func:`restore` is where a run
+starts: afresh (the run directory's record files removed), or with ``resume=True`` at the next
+unfinished iteration. An iteration whose adapter was published but whose run state was not (the
+driver died in between) is recognised from the adapter's manifest and not repeated
+(:func:`reconcile`); its record, if it was never written, is rebuilt from the manifest's trainer
+statistics (:func:`recovered_records`). A resumed run must share the original's configuration
+(:func:`run_id_for`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from .adapters import AdapterStore
+from .config import Config
+from .records import MetricsRecord, RunFiles, read_jsonl, trim_jsonl, write_jsonl
+from .tasks import Task
+
+RUN_STATE = "run"
+"""The run state's name in the store (``AdapterStore.write_json``)."""
+
+
+def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool) -> tuple[dict, list[MetricsRecord]]:
+    """The run state to start from and the records of the finished iterations, with the store and the
+    run directory made consistent with them (the state written, records of unfinished iterations
+    dropped, recovered ones added). Without ``resume`` a store that already holds versions is an error."""
+    state = load_state(store, run_id) if resume else None
+    if state is None and resume and store.latest() is not None:
+        state = fresh_state(run_id)  # died in iteration 0, after the first publish
+    if state is None:
+        if store.latest() is not None:
+            raise FileExistsError(
+                f"the adapter store {store.root} already holds versions {store.versions()[:5]}...; "
+                "pass resume=True to continue that run, or use a fresh run_dir / store_url"
+            )
+        for p in (files.metrics, files.samples, files.rollouts):
+            p.unlink(missing_ok=True)
+        state = fresh_state(run_id)
+    state = reconcile(state, store)
+    save_state(store, state)
+    records = [r for r in read_jsonl(files.metrics, stop_at_bad_line=True) if r["iteration"] < state["next_iteration"]]
+    records += recovered_records(store, records, state)
+    write_jsonl(files.metrics, records)
+    for p in (files.samples, files.rollouts):  # drop lines of unfinished iterations
+        trim_jsonl(p, lambda r: r["iteration"] < state["next_iteration"])
+    return state, records
+
+
+def save_state(store: AdapterStore, state: dict) -> None:
+    """Write the run state (after an iteration's adapter was published, and at the end)."""
+    store.write_json(RUN_STATE, state)
+
+
+def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
+    """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
+    d = {**cfg.to_dict(), "task": task.describe()}
+    d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
+                                                         "price_per_hour", "keep_versions", "keep_every",
+                                                         "rollouts_every")}
+    d.pop("cluster")
+    blob = json.dumps(d, sort_keys=True) + store_root
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def fresh_state(run_id: str) -> dict:
+    return {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0, "evals": []}
+
+
+def load_state(store: AdapterStore, run_id: str) -> dict | None:
+    try:
+        state = store.read_json(RUN_STATE)
+    except FileNotFoundError:
+        return None
+    if state.get("run_id") != run_id:
+        raise ValueError(
+            f"resume=True but the store's run state belongs to another configuration (run_id {state.get('run_id')} "
+            f"!= {run_id}); resume with the same config or start a fresh run_dir"
+        )
+    return state
+
+
+def reconcile(state: dict, store: AdapterStore) -> dict:
+    """Fold in a step that published its adapter but died before the run state was written."""
+    latest = store.latest() or 0
+    while latest > state["version"]:
+        v = state["version"] + 1
+        meta = store.manifest(v).get("meta", {})
+        state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1)}
+    return state
+
+
+STAT_KEYS = {"loss": "loss", "ratio_mean": "ratio_mean", "ratio_std": "ratio_std", "ratio_min": "ratio_min",
+              "ratio_max": "ratio_max", "clip_low": "clip_frac_low", "clip_high": "clip_frac_high",
+              "clip_frac": "clip_frac", "kl": "kl_mean", "grad_norm": "grad_norm", "tokens": "tokens"}
+
+
+def recovered_records(store: AdapterStore, records: list[dict], state: dict) -> list[dict]:
+    """Records of iterations whose adapter was published but whose record was never written (the
+    driver stopped in between, e.g. a kernel interrupt): rebuilt from the adapters' manifests (the
+    trainer's statistics; no rewards or timings), marked ``recovered``."""
+    have = {r["iteration"] for r in records}
+    last = max((r["version"] for r in records), default=0)
+    out = []
+    for v in range(last + 1, state["version"] + 1):
+        meta = store.manifest(v).get("meta", {})
+        it = meta.get("iteration")
+        if it is None or it in have or it >= state["next_iteration"]:
+            continue
+        stats = meta.get("stats", {})
+        out.append({"iteration": it, "version": v, "recovered": True, "reward_mean": None, "eval_acc": None,
+                    **{key: stats.get(k) for k, key in STAT_KEYS.items()}})
+    return out

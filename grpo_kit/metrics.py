@@ -1,0 +1,197 @@
+"""What the driver measures in one iteration: the assembled batch, the trainer's step, and the metrics
+record built from them (its keys and their meaning: :class:`grpo_kit.records.MetricsRecord`).
+
+:func:`iteration_record` is a pure function of a :class:`Batch` (what generation delivered: every
+chunk's summary, the groups generated and those picked for training, their version lags) and a
+:class:`Step` (the trainer gang's statistics and timings); the driver (:mod:`grpo_kit.loop`) adds the
+evaluations that finish and the loop's wall time when it commits the iteration.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config
+from .records import MetricsRecord
+from .rollout import RolloutSummary
+from .sampling import Group, usable_cost, usable_samples
+
+
+@dataclass
+class Batch:
+    """One iteration's batch, assembled by the driver from its rollout chunks."""
+
+    iteration: int
+    """The iteration it belongs to."""
+    rollout_version: int
+    """The adapter version it was submitted for generation with."""
+    results: list[dict]
+    """Every chunk's summary (``cluster.summary_task``), all dynamic-sampling rounds included."""
+    rollouts: list[RolloutSummary]
+    """The completions' summaries, in training order (group, then sample)."""
+    generated: list[Group]
+    """Every group generated for the iteration."""
+    picked: list[Group]
+    """The groups to train on (all generated ones, or dynamic sampling's usable ones)."""
+    lags: list[int]
+    """Version lag of each picked group (trainer version minus generating version)."""
+    rejected: int
+    """Groups dropped as too stale and generated again."""
+    dyn: dict | None
+    """Dynamic sampling's counts (``gen_batches``, ``dropped_groups``, ...); None without it."""
+    t_iter: float
+    """Unix time the iteration started."""
+    t_gen_done: float
+    """Unix time the batch was in."""
+
+
+@dataclass
+class Step:
+    """The trainer gang's step on a batch."""
+
+    stats: dict
+    """The gang's statistics (``{}`` when nothing was trained); ``ranks`` holds each rank's timings."""
+    trained: bool
+    """Whether the batch held anything to train on (a new adapter version was published)."""
+    t_train: float
+    """Unix time the step started."""
+    t_train_end: float
+    """Unix time it returned."""
+
+
+def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_acc: float | None,
+                     gang_restarts: int) -> MetricsRecord:
+    """The metrics record of an iteration (``version``: the trainer's version after the step); its
+    evaluation keys are None until the driver attaches the evaluations that finished."""
+    it, results, rollouts, picked, generated = batch.iteration, batch.results, batch.rollouts, batch.picked, batch.generated
+    lags, rejected, t_iter, t_gen_done = batch.lags, batch.rejected, batch.t_iter, batch.t_gen_done
+    stats, t_train, t_train_end = step.stats, step.t_train, step.t_train_end
+    lag, n_groups = max(lags), len(picked)
+    gen_spans = [{"name": "generate", "iteration": it, "start": r["start"], "end": r["end"]} for r in results]
+    spans = list(gen_spans)
+    ranks = stats.get("ranks", [])
+    if ranks:
+        r0 = ranks[0]
+        spans.append({"name": "train", "iteration": it, "start": r0["start"], "end": r0["start"] + r0["prepare_s"] + r0["compute_s"]})
+        spans.append({"name": "publish", "iteration": it, "start": r0["end"] - r0["publish_s"] - r0["checkpoint_s"],
+                      "end": r0["end"]})
+    n_rollouts = len(rollouts)
+    usable = usable_samples(picked)
+    iter_end = time.time()
+    gen_s = max(r["end"] for r in results) - min(r["start"] for r in results)
+    # device-seconds: each rollout task's time on its worker, and the gang's wall time on every rank
+    gen_device_s = sum(r["end"] - r["start"] for r in results)
+    train_device_s = (t_train_end - t_train) * cfg.cluster.world_size if step.trained else 0.0
+    cost_s, cost = usable_cost(gen_device_s + train_device_s, usable, cfg.run.price_per_hour)
+    dyn = batch.dyn or {"gen_batches": 1, "dropped_groups": 0, "carried_in_groups": 0, "carried_out_groups": 0,
+                        "expired_groups": 0}
+    return {
+            "iteration": it,
+            "version": version,
+            "rollout_version": batch.rollout_version,
+            "reward_mean": float(torch.tensor([r.reward for r in rollouts]).mean()) if rollouts else None,
+            "reward_std": float(torch.tensor([r.reward for r in rollouts]).std()) if n_rollouts > 1 else None,
+            "train_acc": sum(bool(r.correct) for r in rollouts) / max(1, n_rollouts),
+            "train_lenient_acc": sum(bool(r.lenient_correct) for r in rollouts) / max(1, n_rollouts),
+            "reward_components": component_means(rollouts),
+            "reward_errors": sum(r.reward_errors for r in rollouts),
+            "reward_s": sum(res["reward_end"] - res["reward_start"] for res in results),
+            "reward_workers": len({res["reward_worker"] for res in results}),
+            "eval_acc": None,
+            "eval_lenient_acc": None,
+            "base_acc": base_acc,
+            "loss": stats.get("loss"),
+            "ratio_mean": stats.get("ratio_mean"),
+            "ratio_std": stats.get("ratio_std"),
+            "ratio_min": stats.get("ratio_min"),
+            "ratio_max": stats.get("ratio_max"),
+            "clip_frac_low": stats.get("clip_low"),
+            "clip_frac_high": stats.get("clip_high"),
+            "clip_frac": stats.get("clip_frac"),
+            "kl_mean": finite(stats.get("kl")),
+            "is_mean": stats.get("is_mean"),
+            "is_min": stats.get("is_min"),
+            "is_max": stats.get("is_max"),
+            "is_capped_frac": stats.get("is_capped_frac"),
+            "grad_norm": stats.get("grad_norm"),
+            "tokens": stats.get("tokens"),
+            "samples_nonzero_adv": stats.get("samples_nonzero_adv"),
+            "staleness_max": lag,
+            "staleness_mean": sum(lags) / len(lags),
+            "rejected_groups": rejected,
+            "kept_groups": n_groups,
+            "generated_groups": len(generated),
+            "zero_spread_groups": sum(not g.has_spread for g in generated),
+            "all_zero_spread": bool(generated) and not any(g.has_spread for g in generated),
+            "usable_samples": usable,
+            "usable_tokens": sum(g.tokens for g in picked if g.has_spread),
+            "usable_share": usable_samples(generated) / max(1, n_rollouts),
+            "usable_per_s": usable / max(1e-9, iter_end - t_iter),
+            "usable_cost_s": cost_s,
+            "usable_cost": cost,
+            "gen_device_s": gen_device_s,
+            "train_device_s": train_device_s,
+            "rollout_workers": len({r.get("worker") for r in results}),
+            "trained_groups": len(picked),
+            **dyn,
+            "truncated": sum(r.truncated for r in rollouts),
+            "completion_tokens": sum(r.completion_tokens for r in rollouts),
+            "gen_s": gen_s,
+            "gen_wait_s": t_gen_done - t_iter,
+            "train_s": t_train_end - t_train,
+            "train_compute_s": ranks[0]["compute_s"] if ranks else None,
+            "publish_s": ranks[0]["publish_s"] if ranks else None,
+            "checkpoint_s": ranks[0]["checkpoint_s"] if ranks else None,
+            "prepare_s": ranks[0]["prepare_s"] if ranks else None,
+            "gang_restarts": gang_restarts,
+            "t_iter_start": t_iter,
+            "t_iter_end": iter_end,
+            "iter_s": iter_end - t_iter,
+            "spans": spans,
+        }
+
+
+def component_means(rollouts: list[RolloutSummary]) -> dict:
+    """Mean score of each reward component over the batch (completions where it applied)."""
+    out: dict = {}
+    for name in (rollouts[0].reward_components or {}) if rollouts else ():
+        vals = [r.reward_components[name] for r in rollouts if r.reward_components and r.reward_components.get(name) is not None]
+        out[name] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+def finite(x):
+    """``x``, or None for NaN (a statistic that was not computed)."""
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
+
+
+def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, startup_s: float | None,
+                warm_up_s: dict, preflight: dict | None) -> dict:
+    """A finished run's ``summary.json``: accuracy before and after (the final version's evaluation),
+    means over the trained iterations, and where the time went before the first one."""
+    final_version = state["version"]
+    recs = [r for r in records if r.get("ratio_mean") is not None]
+    evs = [e for e in state["evals"] if e["version"] == final_version]
+    return {
+        "acc_before": state["base_acc"],
+        "acc_after": evs[-1]["acc"] if evs else None,
+        "lenient_acc_before": state.get("base_lenient_acc"),
+        "lenient_acc_after": evs[-1].get("lenient_acc") if evs else None,
+        "grpo_wall_s": state["grpo_wall_s"],
+        "iterations": state["next_iteration"],
+        "final_version": final_version,
+        "ratio_mean": sum(r["ratio_mean"] for r in recs) / len(recs) if recs else None,
+        "clip_fraction": sum(r.get("clip_frac") or 0.0 for r in recs) / len(recs) if recs else None,
+        "kl_final": recs[-1]["kl_mean"] if recs else None,
+        "rejected_groups": sum(r.get("rejected_groups") or 0 for r in records),  # recovered records lack it
+        "truncated": sum(r.get("truncated") or 0 for r in records),
+        "recovered_records": sum(bool(r.get("recovered")) for r in records),
+        "gang_restarts": gang_restarts,
+        "startup_s": startup_s,
+        "warm_up_s": warm_up_s,
+        "preflight": preflight,
+    }
