@@ -236,7 +236,7 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
 
 
 def greedy_acc(engine, problems: list[data.Problem], version: int, max_new_tokens: int) -> float:
-    """Held-out accuracy of adapter ``version`` by the rule of ``grpo_kit.cluster.eval_task``."""
+    """Held-out accuracy of adapter ``version`` by the rule of ``grpo_kit.remote.eval_task``."""
     outs = engine.greedy(problems, version, max_new_tokens=max_new_tokens)
     correct = [gsm8k_reward(r.text, p.gold).score >= 1.0 for r, p in zip(outs, problems, strict=True)]
     return sum(correct) / max(1, len(correct))

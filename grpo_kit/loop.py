@@ -34,10 +34,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import checkpoint, preflight, tasks
+from . import checkpoint, preflight, remote, tasks
 from . import cluster as cl
 from .adapters import AdapterStore
 from .config import Config
+from .gang import TrainerGang, batch_of
 from .metrics import Batch, Step, iteration_record, run_summary
 from .models import resolve_model
 from .records import MetricsRecord, append_jsonl, run_files, write_jsonl
@@ -64,7 +65,7 @@ def iteration_problems(cfg: Config, pool: list, iteration: int, round_: int = 0,
 class _Pending:
     version: int
     futures: list
-    """Futures of the chunks' summaries (:func:`cluster.summary_task`): what the driver gathers."""
+    """Futures of the chunks' summaries (:func:`remote.summary_task`): what the driver gathers."""
     scored: list = field(default_factory=list)
     """Futures of the scored chunks (token ids and log-probs): they stay on the workers."""
 
@@ -129,7 +130,7 @@ def run(
         t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
         if progress:
             print("warming up: building rollout engines and trainer policies ...", flush=True)
-        cl.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
+        remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec(
             run_id=run_id, model_path=model_path, store_root=store.root, storage_options=storage_options,
@@ -137,7 +138,7 @@ def run(
             world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
             timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
         )
-        gang = cl.TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
+        gang = TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
         fabric = None
         if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric
             c = cfg.cluster
@@ -147,14 +148,14 @@ def run(
                 print(f"preflight: all-reduce busbw peak {fabric.busbw_peak_gbps:.2f} GB/s ({fabric.backend}, "
                       f"{fabric.world_size} ranks)", flush=True)
 
-        heldout_d = [cl.problem_dict(p) for p in heldout]
+        heldout_d = [remote.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
                          list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
         if resume:  # versions a crash (or a run with another policy) left behind
             driver.pruner.sweep(state["version"])
         # engines and policies are built before the first iteration's clock starts
-        driver.warm_up_s = cl.warm_up(client, gang, state["version"], driver.key)
+        driver.warm_up_s = remote.warm_up(client, gang, state["version"], driver.key)
         driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
         summary = driver.finish(preflight=fabric.summary() if fabric else None)
@@ -179,7 +180,7 @@ class _Driver:
         self.pending: dict[int, _Pending] = {}
         self.evals: list = []  # (iteration, future)
         self.startup_s: float | None = None  # engines and policies built before the first iteration
-        self.warm_up_s: dict = {}  # seconds per engine / rank (cluster.warm_up)
+        self.warm_up_s: dict = {}  # seconds per engine / rank (remote.warm_up)
         # task keys are unique per run() call: two drivers on one scheduler never share a task
         self.key = f"{state['run_id']}-{os.urandom(3).hex()}"
         s = cfg.sampling
@@ -231,17 +232,17 @@ class _Driver:
         offset = round_ * s.prompts_per_step * s.max_gen_batches  # distinct group ids (and seeds) per round
         futures, scored = [], []
         for c in range(0, len(probs), per):
-            chunk = [cl.problem_dict(p) for p in probs[c : c + per]]
+            chunk = [remote.problem_dict(p) for p in probs[c : c + per]]
             tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "")
             gen = self.client.submit(
-                cl.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
+                remote.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
                 _seed(self.cfg.run.seed, iteration), offset + c, iteration,
                 key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
             )
-            scored.append(self.client.submit(cl.reward_task, gen, chunk, offset + c, self.scorer,
+            scored.append(self.client.submit(remote.reward_task, gen, chunk, offset + c, self.scorer,
                                              key=f"{self.key}-reward-{tag}-v{version}", resources=self.reward_resources,
                                              retries=2, priority=priority))
-            futures.append(self.client.submit(cl.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
+            futures.append(self.client.submit(remote.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
                                               retries=2, priority=priority))
         return futures, scored
 
@@ -271,7 +272,7 @@ class _Driver:
         return results, sel.train, counts
 
     def submit_eval(self, iteration: int, version: int) -> None:
-        fut = self.client.submit(cl.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
+        fut = self.client.submit(remote.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
                                  key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
                                  priority=-10)  # generation goes first when both wait for an engine
         self.evals.append((iteration, fut))
@@ -352,7 +353,7 @@ class _Driver:
         cfg, it = self.cfg, batch.iteration
         version = self.state["version"]
         # by reference: the ranks fetch the tokens and take the advantages from the same rewards
-        rollout_batch = _batch(batch.picked, cfg.sampling.group_size)
+        rollout_batch = batch_of(batch.picked, cfg.sampling.group_size)
         t_train = time.time()
         stats = self.gang.step(rollout_batch, version, it, self.store) if rollout_batch else {}
         t_train_end = time.time()
@@ -440,18 +441,6 @@ class _Driver:
         summary = run_summary(self.state, self.records, self.gang.restarts, self.startup_s, self.warm_up_s, preflight)
         run_files(self.cfg.run.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
-
-
-def _batch(groups: list[Group], group_size: int) -> cl.RolloutBatch:
-    """The training batch of ``groups`` by reference: the scored chunks they live in and where."""
-    futures, index, picks = [], {}, []
-    for g in groups:
-        for _, fut, i in g.payload:
-            if fut.key not in index:
-                index[fut.key] = len(futures)
-                futures.append(fut)
-            picks.append((index[fut.key], i))
-    return cl.RolloutBatch(futures, picks, group_size)
 
 
 def _eval_version(fut) -> int:

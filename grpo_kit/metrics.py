@@ -30,7 +30,7 @@ class Batch:
     rollout_version: int
     """The adapter version it was submitted for generation with."""
     results: list[dict]
-    """Every chunk's summary (``cluster.summary_task``), all dynamic-sampling rounds included."""
+    """Every chunk's summary (``remote.summary_task``), all dynamic-sampling rounds included."""
     rollouts: list[RolloutSummary]
     """The completions' summaries, in training order (group, then sample)."""
     generated: list[Group]

@@ -143,7 +143,8 @@ def run_preflight(client, workers: list[str] | None = None, sizes=DEFAULT_SIZES,
     """
     from distributed import wait
 
-    from .cluster import TRAINER, free_port, local_ranks, workers_with
+    from .cluster import TRAINER, workers_with
+    from .gang import free_port, local_ranks
 
     if on_slow not in ("warn", "error"):
         raise ValueError(f"on_slow must be 'warn' or 'error', got {on_slow!r}")

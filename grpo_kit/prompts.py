@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import data
-from .config import CHAT_TEMPLATE_MODES
+from .config import CHAT_TEMPLATE_MODES, Config
 
 
 @dataclass(frozen=True)
@@ -114,3 +114,10 @@ def cut_completion(tokenizer, ids: Sequence[int], finish_reason: str, stop: Sequ
         else:
             lo = mid + 1
     return Cut(lo, "stop", s, text[:at])
+
+
+def prompt_format(cfg: Config, instruction: str = data.DEFAULT_INSTRUCTION) -> PromptFormat:
+    """The run's prompt format; ``instruction`` is the task's, used unless ``cfg.prompt.instruction`` is set."""
+    p = cfg.prompt
+    return PromptFormat(instruction=instruction if p.instruction is None else p.instruction,
+                        system_prompt=p.system_prompt, chat_template=p.chat_template)

@@ -39,7 +39,7 @@ class Span(TypedDict):
 
 
 class EvalResult(TypedDict, total=False):
-    """A held-out evaluation of one adapter version (``cluster.eval_task``), in ``MetricsRecord.evals``."""
+    """A held-out evaluation of one adapter version (``remote.eval_task``), in ``MetricsRecord.evals``."""
 
     version: int
     """The adapter version evaluated (0: the base model)."""

@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from grpo_kit import cluster as cl
-from grpo_kit import config, loop, records
+from grpo_kit import config, gang, loop, records
 from grpo_kit.adapters import AdapterStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -210,7 +210,7 @@ def test_trainer_failures_past_the_limit_fail_clearly(tmp_path, client):
     cfg = _cfg(tmp_path, iterations=3, world_size=2, max_restarts=0)
     killed = []
     _kill_when(client, "-train-1-", killed)
-    with pytest.raises(cl.GangFailed, match="max_restarts=0"):
+    with pytest.raises(gang.GangFailed, match="max_restarts=0"):
         loop.run(cfg, client=client, progress=False)
     assert killed
     cl.wait_for_role(client, cl.TRAINER, 2)
@@ -311,7 +311,7 @@ def test_stuck_teardown_is_bounded_and_worker_restarted(client):
     trainers = cl.workers_with(client, cl.TRAINER)
     pids_before = client.run(os.getpid, workers=trainers[:1])
     t0 = time.time()
-    answers = cl.run_bounded(client, _stuck, trainers[:1], timeout=2.0)
+    answers = gang.run_bounded(client, _stuck, trainers[:1], timeout=2.0)
     assert time.time() - t0 < 60
     assert isinstance(answers[trainers[0]], TimeoutError)
     back = cl.wait_for_role(client, cl.TRAINER, 2)

@@ -12,10 +12,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from grpo_kit import cluster as cl
 from grpo_kit import config, data, loop, models, tasks
 from grpo_kit.adapters import AdapterStore
-from grpo_kit.prompts import PromptFormat
+from grpo_kit.prompts import PromptFormat, prompt_format
 from grpo_kit.rollout import HFEngine
 from grpo_kit.testing import LLAMA_TARGETS, assert_aligned, dlogp, perturbed_adapter, policy
 
@@ -101,7 +100,7 @@ def test_loop_on_smollm2(which, smol_path, tmp_path):
     assert len(rows) == 2 * 2 * 4
     # the driver keeps no token ids (they went from the rollout workers to the ranks): each prompt's
     # length is that of its chat rendering
-    fmt = cl.prompt_format(cfg)
+    fmt = prompt_format(cfg)
     pool = {p.id: p for p in tasks.for_config(cfg).load("train", cfg.data.train_size, cfg.run.seed)}
     assert fmt.uses_chat(tok)
     assert all(r["prompt_tokens"] == len(fmt.encode(tok, pool[r["prompt_id"]].question)) and "prompt_ids" not in r

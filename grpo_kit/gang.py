@@ -1,0 +1,234 @@
+"""The trainer gang: ``world_size`` rank tasks pinned to distinct trainer workers, re-formed after a failure.
+
+Training is a gang (:class:`TrainerGang`): rank tasks pinned to distinct trainer workers,
+rendezvous at rank 0's host on a free port, bounded timeouts. If a rank fails, the gang is
+re-formed from the store's last version, up to ``max_restarts`` times. A step's batch travels by
+reference (:class:`RolloutBatch`: futures of the scored chunks on the rollout workers); each rank
+task fetches it and takes the advantages from its rewards (:func:`batch_samples`), then runs
+:func:`grpo_kit.trainer.train_rank`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, replace
+
+import torch
+from distributed import Client, wait
+
+from .adapters import AdapterStore
+from .cluster import TRAINER, wait_for_role, workers_with
+from .loss import group_advantages
+from .sampling import Group
+from .trainer import RankSpec, teardown, train_rank
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous started right after)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _wait_first_error(futures, timeout: float, alive=None):
+    """Wait until all futures finish, one fails, ``alive()`` turns False, or ``timeout`` passes.
+
+    Returns (finished futures, error or None). Dask's ``wait`` has no FIRST_EXCEPTION mode.
+    """
+    deadline = time.time() + timeout
+    pending = set(futures)
+    while pending:
+        left = deadline - time.time()
+        if left <= 0:
+            return set(futures) - pending, TimeoutError(f"not finished within {timeout:.0f}s")
+        try:
+            done, pending = wait(list(pending), timeout=min(left, 1.0), return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            if alive is not None and not alive():
+                return set(futures) - pending, RuntimeError("a trainer worker of the gang left the cluster")
+            continue
+        pending = set(pending)
+        for f in done:
+            if f.status == "error":
+                return set(futures) - pending, f.exception()
+    return set(futures), None
+
+
+def run_bounded(client: Client, fn, workers: list[str], timeout: float) -> dict:
+    """``client.run(fn)`` on ``workers``, bounded: workers that have not answered in ``timeout``
+    seconds (e.g. stuck destroying a process group under a collective) are restarted by their
+    nannies (``Client.restart_workers``) and reported as failed."""
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    fut = pool.submit(client.run, fn, workers=workers, on_error="return")
+    try:
+        return fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        log.warning("%s did not return within %.0fs on %s; restarting those workers", fn.__name__, timeout, workers)
+        client.restart_workers(workers, timeout=max(60.0, timeout), raise_for_error=False)
+        return {w: TimeoutError(f"{fn.__name__} timed out") for w in workers}
+    finally:
+        pool.shutdown(wait=False)
+
+
+def local_ranks(workers: list[str]) -> list[int]:
+    """Each worker's index among the listed workers on the same host (its GPU on a multi-GPU node).
+
+    >>> local_ranks(["tcp://10.0.0.1:4001", "tcp://10.0.0.2:4001", "tcp://10.0.0.1:4002"])
+    [0, 0, 1]
+    """
+    seen: dict[str, int] = {}
+    out = []
+    for w in workers:
+        host = w.split("://")[-1].rsplit(":", 1)[0]
+        out.append(seen.get(host, 0))
+        seen[host] = out[-1] + 1
+    return out
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One training batch, by reference: the scored chunks stay where they are (Dask futures of
+    :func:`grpo_kit.remote.reward_task`), and ``picks`` names the samples in training order."""
+
+    scored: list
+    """Futures of the scored chunks (``{"rollouts": [Rollout.to_dict() + reward fields], ...}``)."""
+    picks: list[tuple[int, int]]
+    """``(chunk index, rollout index)`` of each sample, whole groups of ``group_size`` in a row."""
+    group_size: int
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+
+def batch_of(groups: list[Group], group_size: int) -> RolloutBatch:
+    """The training batch of ``groups`` by reference: the scored chunks they live in and where."""
+    futures, index, picks = [], {}, []
+    for g in groups:
+        for _, fut, i in g.payload:
+            if fut.key not in index:
+                index[fut.key] = len(futures)
+                futures.append(fut)
+            picks.append((index[fut.key], i))
+    return RolloutBatch(futures, picks, group_size)
+
+
+def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: int, adv_scale: str) -> list[tuple]:
+    """The trainer's samples ``(prompt_ids, completion_ids, logprobs, adv)`` for ``picks``. The
+    advantages come from the rewards in ``scored``, as the driver computes them for its records:
+    tokens and rewards always come from the same computation, even if Dask had to recompute a chunk
+    whose worker died after the driver read its summary.
+
+    >>> chunk = {"rollouts": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-0.5], "reward": r} for r in (1.0, 0.0)]}
+    >>> batch_samples([chunk], [(0, 1), (0, 0)], 2, "none")
+    [([1], [2], [-0.5], -0.5), ([1], [2], [-0.5], 0.5)]
+    """
+    rows = [scored[c]["rollouts"][i] for c, i in picks]
+    rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    adv = group_advantages(rewards, group_size, scale=adv_scale).tolist() if rows else []
+    return [(r["prompt_ids"], r["completion_ids"], r["logprobs"], a) for r, a in zip(rows, adv, strict=True)]
+
+
+def train_rank_on(spec: RankSpec, scored: list[dict], picks: list[tuple[int, int]], group_size: int, version: int,
+                  iteration: int) -> dict:
+    """One rank's part of a training step on a :class:`RolloutBatch` (a Dask task: ``scored`` arrives
+    from the workers that hold it, never through the driver)."""
+    return train_rank(spec, batch_samples(scored, picks, group_size, spec.loss.adv_scale), version, iteration)
+
+
+class GangFailed(RuntimeError):
+    """The trainer gang failed more often than ``max_restarts`` allows."""
+
+
+class TrainerGang:
+    """``world_size`` rank tasks pinned to distinct trainer workers, re-formed after a failure."""
+
+    def __init__(self, client: Client, spec: RankSpec, *, max_restarts: int = 2, step_timeout_s: float = 3600):
+        self.client, self.base_spec = client, spec
+        self.max_restarts, self.step_timeout_s = max_restarts, step_timeout_s
+        self.restarts = 0
+        # unique across gangs and runs: a worker never mistakes a new gang for the one it is in
+        self.gang_id = int.from_bytes(os.urandom(4), "little") << 8
+        self.workers: list[str] = []
+        self._form()
+
+    def _form(self, candidates: list[str] | None = None) -> None:
+        ws = self.base_spec.world_size
+        self.workers = (candidates or wait_for_role(self.client, TRAINER, ws))[:ws]
+        self.gang_id += 1
+        self.init_method = None
+        if ws > 1:
+            port = self.client.run(free_port, workers=[self.workers[0]])[self.workers[0]]
+            host = self.workers[0].split("://")[-1].rsplit(":", 1)[0]
+            self.init_method = f"tcp://{host}:{port}"
+
+    def specs(self) -> list[RankSpec]:
+        local = local_ranks(self.workers)
+        return [replace(self.base_spec, rank=r, gang_id=self.gang_id, init_method=self.init_method, local_rank=local[r])
+                for r in range(self.base_spec.world_size)]
+
+    def _alive(self) -> bool:
+        return set(self.workers) <= set(workers_with(self.client, TRAINER))
+
+    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore) -> dict:
+        """Train on ``batch`` from ``version``; returns rank 0's stats (identical on all ranks).
+        Every rank task fetches the batch's scored chunks from the workers that hold them."""
+        while True:
+            futures = [
+                self.client.submit(train_rank_on, spec, batch.scored, batch.picks, batch.group_size, version, iteration,
+                                   workers=[w], allow_other_workers=False,
+                                   key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")
+                for spec, w in zip(self.specs(), self.workers, strict=True)
+            ]
+            _, error = _wait_first_error(futures, self.step_timeout_s, alive=self._alive)
+            if error is None:
+                results = [f.result() for f in futures]
+                sums = [r["param_checksum"] for r in results]
+                if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+                    raise RuntimeError(f"trainer ranks diverged at iteration {iteration}: parameter sums {sums}")
+                return {**results[0], "ranks": results}
+            self.client.cancel(futures)
+            self.restarts += 1
+            if store.exists(version + 1):
+                # Rank 0 published before the failure surfaced: the step is done, the gang is not.
+                log.warning("trainer gang failed after publishing v%d (%s); re-forming", version + 1, error)
+                self.reset()
+                meta = store.manifest(version + 1).get("meta", {})
+                return {**meta.get("stats", {}), "recovered": True}
+            log.warning("trainer gang failed at iteration %d (%s); restart %d of %d", iteration, error,
+                        self.restarts, self.max_restarts)
+            if self.restarts > self.max_restarts:
+                raise GangFailed(
+                    f"trainer gang failed {self.restarts} times (max_restarts={self.max_restarts}); last error at "
+                    f"iteration {iteration}: {error!r}"
+                ) from error
+            self.reset()
+
+    def reset(self, timeout: float = 120) -> None:
+        """Tear the process group down on every live trainer and form a new gang.
+
+        Waits until ``world_size`` trainer workers answer (a killed one is restarted by its
+        nanny under a new address; the scheduler may list the dead one for a moment).
+        """
+        deadline = time.time() + timeout
+        while True:
+            live = workers_with(self.client, TRAINER)
+            answers = run_bounded(self.client, teardown, live, self.base_spec.timeout_s) if live else {}
+            ok = sorted(w for w, a in answers.items() if a is True)
+            if len(ok) >= self.base_spec.world_size:
+                break
+            if time.time() > deadline:
+                raise GangFailed(f"only {len(ok)} of {self.base_spec.world_size} trainer workers came back within {timeout:.0f}s")
+            time.sleep(0.5)
+        self._form(ok)
+
+    def close(self) -> None:
+        live = workers_with(self.client, TRAINER)
+        if live:
+            run_bounded(self.client, teardown, live, self.base_spec.timeout_s)

@@ -1,0 +1,251 @@
+"""What runs on the rollout and reward workers: the worker-resident engine and the task bodies.
+
+- Rollout, reward and eval are ordinary Dask tasks: rollout and eval need ``rollout=1`` (reward
+  tasks need ``reward=1`` where workers advertise it, else none), so Dask places them on engine
+  workers and re-runs them elsewhere if a worker dies (Dask's own recomputation of lost tasks, plus
+  ``retries`` for raised errors). The engine is worker-resident (:class:`EnginePlugin`): built on
+  first use, then reused; only adapters are fetched per version.
+- The driver stays out of the data path: it gathers :func:`summary_task`'s view of each scored
+  chunk (rewards, counts, texts; no token ids or log-probs) and hands the trainer gang
+  (:mod:`grpo_kit.gang`) the scored chunks' futures; each rank task fetches them from the rollout
+  workers itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from distributed import Client, WorkerPlugin, get_worker
+
+from .adapters import AdapterStore
+from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, workers_with
+from .config import Config
+from .data import DEFAULT_INSTRUCTION, Problem
+from .prompts import prompt_format
+from .rollout import RolloutSummary
+from .tasks import Scorer
+from .trainer import warm
+
+if TYPE_CHECKING:
+    from .gang import TrainerGang
+
+log = logging.getLogger(__name__)
+
+
+class EnginePlugin(WorkerPlugin):
+    """A warm rollout engine in each rollout worker, reused across tasks.
+
+    Registered with ``client.register_plugin``, so the scheduler also installs it on every worker that
+    joins later. On a rollout worker, :meth:`setup` builds the engine in a background thread with the
+    worker's ``rollout`` resource set to 0, and restores it when the engine is built and has sampled
+    once: a worker that joins mid-run gets no rollout task until it is warm (the elastic fleet).
+    """
+
+    def __init__(self, kind: str, model_path: str, store_root: str, storage_options: dict | None, engine_kwargs: dict):
+        self.kind, self.model_path = kind, model_path
+        self.store_root, self.storage_options = store_root, storage_options
+        self.engine_kwargs = engine_kwargs
+        self._engine = None
+
+    def setup(self, worker):
+        import threading
+
+        self._engine = None
+        self._lock = threading.Lock()
+        self.warm = threading.Event()  # set once the worker's engine is built and has sampled
+        self.warm_s = 0.0  # seconds that took (build included)
+        amount = worker.state.total_resources.get(ROLLOUT, 0)
+        if amount:
+            worker.loop.add_callback(self._warm_gated, worker, amount)
+        else:
+            self.warm.set()
+
+    async def _warm_gated(self, worker, amount: float) -> None:
+        import asyncio
+
+        await worker.set_resources(**{ROLLOUT: 0})
+        try:
+            self.warm_s = await asyncio.to_thread(warm_engine, engine=self.engine)
+        except Exception:  # the first task raises the same error where a driver sees it
+            log.exception("building the rollout engine failed on %s", worker.address)
+        finally:
+            self.warm.set()
+            if worker.status.name in ("running", "paused"):  # not when the worker closed meanwhile
+                await worker.set_resources(**{ROLLOUT: amount})
+
+    def engine(self):
+        with self._lock:  # a task that arrives during the warm-up waits for it, never builds twice
+            if self._engine is None:
+                store = AdapterStore(self.store_root, self.storage_options)
+                self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
+            return self._engine
+
+    def teardown(self, worker):
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
+    """A rollout engine: ``"vllm"`` (VLLMEngine) or ``"hf"`` (HFEngine)."""
+    if kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, store=store, **kw)
+    if kind == "hf":
+        from .rollout import HFEngine
+
+        kw = {k: v for k, v in kw.items() if k in ("dtype", "max_model_len", "prompt_format", "stop")}
+        return HFEngine(model_path, store=store, **kw)
+    raise ValueError(f"unknown engine {kind!r}")
+
+
+def register_engines(client: Client, cfg: Config, model_path: str, store_root: str | None = None,
+                     storage_options: dict | None = None, instruction: str = DEFAULT_INSTRUCTION) -> None:
+    """Register the run's engine on every rollout worker (built there on first use). ``instruction``
+    is the task's answer-format instruction (``cfg.prompt.instruction`` overrides it)."""
+    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len,
+          "prompt_format": prompt_format(cfg, instruction),
+          "stop": cfg.sampling.stop}
+    if cfg.sampling.engine == "vllm":
+        kw["max_lora_rank"] = cfg.lora.lora_r  # the engine rounds it up to a rank vLLM accepts
+        kw["seed"] = cfg.run.seed
+        kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
+        kw["kv_cache_bytes"] = cfg.sampling.kv_cache_bytes
+        kw["max_batch_seqs"] = engine_batch_seqs(cfg)
+        kw["lora_mode"] = cfg.sampling.lora_mode
+    plugin = EnginePlugin(cfg.sampling.engine, model_path, store_root or cfg.run.store_root, storage_options, kw)
+    client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)  # also on clusters connect() did not start
+    client.register_plugin(plugin, name=ENGINE_PLUGIN)
+
+
+MAX_ENGINE_SEQS = 256
+"""Cap on the sequences one engine runs at once (vLLM's ``max_num_seqs``); larger evaluations queue."""
+
+
+def engine_batch_seqs(cfg: Config) -> int:
+    """The largest batch one rollout worker is sent: its share of a generation batch or the held-out
+    set, capped at :data:`MAX_ENGINE_SEQS`. The CPU engine sizes its KV cache for it.
+
+    >>> from grpo_kit.config import profile
+    >>> engine_batch_seqs(profile("tiny", eval_size=64)), engine_batch_seqs(profile("tiny", n_rollout_workers=2, eval_size=8))
+    (96, 48)
+    """
+    s = cfg.sampling
+    chunk = -(-s.prompts_per_step // max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))) * s.group_size
+    return min(MAX_ENGINE_SEQS, max(chunk, cfg.data.eval_size if cfg.run.eval_every else 1))
+
+
+def _engine():
+    plugin = get_worker().plugins.get(ENGINE_PLUGIN)
+    if plugin is None:
+        raise RuntimeError("no engine registered on this worker (call remote.register_engines first)")
+    return plugin.engine()
+
+
+def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int, temperature: float, seed: int,
+                 group_offset: int, iteration: int) -> dict:
+    """Generate ``n`` completions for each problem with the worker's warm engine."""
+    t0 = time.time()
+    probs = [Problem(**p) for p in problems]
+    outs = _engine().generate(probs, n, version, max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed, group_offset=group_offset)
+    for r in outs:
+        r.iteration = iteration
+    return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
+
+
+WARM_PROBLEM = Problem(id="warm-up", question="1 + 1 = ?", gold="2")
+
+
+def warm_engine(n: int = 4, max_new_tokens: int = 8, engine=None) -> float:
+    """Build this worker's engine and sample once from the base model (a task run before the first
+    batch: first calls pay one-off kernel set-up); returns the seconds it took, plus those of the
+    plugin's own warm-up when it built the engine first. ``engine``: a callable returning the engine
+    (default: the registered plugin's)."""
+    t0 = time.time()
+    (engine or _engine)().generate([WARM_PROBLEM], n, 0, max_new_tokens=max_new_tokens, seed=0)
+    plugin = None if engine else get_worker().plugins.get(ENGINE_PLUGIN)
+    return time.time() - t0 + (plugin.warm_s if plugin is not None else 0.0)
+
+
+def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
+    """Build every rollout worker's engine and every gang rank's policy (at ``version``), concurrently,
+    before the first iteration. Each task prefers its worker; if that worker leaves, another of the
+    role runs it, so nothing waits on a dead worker. A failed build raises here, before any batch.
+    Returns the seconds each part took on its worker."""
+    rollout = wait_until_warm(client)
+    futures = {
+        f"engine {w}": client.submit(warm_engine, workers=[w], allow_other_workers=True, resources={ROLLOUT: 1},
+                                     key=f"{key}-warm-engine-{i}", pure=False)
+        for i, w in enumerate(rollout)
+    }
+    for spec, w in zip(gang.specs(), gang.workers, strict=True):
+        futures[f"trainer rank {spec.rank}"] = client.submit(
+            warm, spec, version, workers=[w], allow_other_workers=True, resources={TRAINER: 1},
+            key=f"{key}-warm-trainer-{spec.rank}", pure=False,
+        )
+    return dict(zip(futures, client.gather(list(futures.values())), strict=True))
+
+
+def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
+    """Wait until no rollout worker is still building its engine (:class:`EnginePlugin` holds its
+    ``rollout`` resource at 0 meanwhile); returns the rollout workers. (A task pinned to a worker that
+    lacks a resource, with ``allow_other_workers``, may otherwise be sent to a worker without the role.)"""
+    deadline = time.time() + timeout
+    while True:
+        warm, all_ = workers_with(client, ROLLOUT), workers_with(client, ROLLOUT, warming=True)
+        if warm == all_ or time.time() > deadline:
+            return warm
+        time.sleep(0.1)
+
+
+def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: Scorer) -> dict:
+    """Score rollouts as soon as they complete, with the task's reward functions (``scorer``).
+    A reward function that fails scores 0 with its reason (``reward_errors`` counts it)."""
+    t0 = time.time()
+    probs = [Problem(**p) for p in problems]
+    rows = result["rollouts"]
+    scores = scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows])
+    for r, sc in zip(rows, scores, strict=True):
+        r["reward"], r["reward_reason"] = sc.reward, sc.reason
+        r["correct"], r["lenient_correct"] = sc.correct, sc.lenient_correct
+        r["reward_components"], r["reward_errors"] = sc.components, sc.errors
+    result["reward_start"], result["reward_end"] = t0, time.time()
+    result["reward_worker"] = get_worker().address
+    return result
+
+
+def summary_task(scored: dict) -> dict:
+    """What the driver gathers of a scored chunk (:func:`reward_task`'s result): each rollout's
+    :meth:`~grpo_kit.rollout.RolloutSummary.of` and the chunk's timings. The token ids and log-probs
+    stay in the scored chunk, on its worker, until the trainer ranks fetch it (:func:`grpo_kit.gang.train_rank_on`)."""
+    return {**{k: v for k, v in scored.items() if k != "rollouts"},
+            "rollouts": [RolloutSummary.of(r) for r in scored["rollouts"]]}
+
+
+def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: Scorer) -> dict:
+    """Greedy held-out accuracy of adapter ``version`` (0 = the base model) by the task's rule:
+    strict (``acc``; for the arithmetic tasks the ``####`` form and the right value) and lenient
+    (``lenient_acc``; there, the right value by any rule)."""
+    t0 = time.time()
+    probs = [Problem(**p) for p in problems]
+    outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
+    results = scorer.score_problems(probs, [r.text for r in outs])
+    correct = [res.correct for res in results]
+    return {
+        "version": version,
+        "acc": sum(correct) / max(1, len(correct)),
+        "lenient_acc": sum(res.lenient_correct for res in results) / max(1, len(results)),
+        "n": len(correct),
+        "truncated": sum(r.truncated for r in outs),
+        "reward_errors": sum(res.errors for res in results),
+        "start": t0,
+        "end": time.time(),
+    }
+
+
+def problem_dict(p: Problem) -> dict:
+    return {"id": p.id, "question": p.question, "gold": p.gold, "solution": None, "columns": dict(p.columns)}
