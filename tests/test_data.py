@@ -2,24 +2,22 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
+from conftest import GSM8K_DIR
 
 from grpo_kit import data
 from grpo_kit.reward import gsm8k_reward
 
-GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
-
 
 def test_gsm8k_local_jsonl_loads_both_splits():
-    train = data.load_gsm8k(str(GSM8K), "train")
-    test = data.load_gsm8k(str(GSM8K), "test")
+    train = data.load_gsm8k(str(GSM8K_DIR), "train")
+    test = data.load_gsm8k(str(GSM8K_DIR), "test")
     assert (len(train), len(test)) == (7473, 1319)
     p = train[0]
     assert p.id == "gsm8k-train-0" and p.gold == "72" and "Natalia" in p.question
     assert all("," not in q.gold for q in train)
-    assert data.load_gsm8k(str(GSM8K / "test.jsonl"), "test", limit=5)[4].id == "gsm8k-test-4"
+    assert data.load_gsm8k(str(GSM8K_DIR / "test.jsonl"), "test", limit=5)[4].id == "gsm8k-test-4"
 
 
 def test_gsm8k_malformed_rows_named_or_skipped(tmp_path):

@@ -52,13 +52,8 @@ def _chain(store: AdapterStore):
     return vs
 
 
-@pytest.fixture(scope="module")
-def client():
-    c = cl.connect(n_rollout_workers=2, n_trainer_workers=2, quiet=True)
-    yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
+CLUSTER_SHAPE = {"n_rollout_workers": 2, "n_trainer_workers": 2}
+"""The ``client`` fixture's cluster (conftest.py): two rollout workers, a DDP gang of two."""
 
 
 def _kill_when(client, part: str, results: list, after: float = 0.0, timeout: float = 120):

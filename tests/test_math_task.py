@@ -9,15 +9,14 @@ import json
 import random
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from conftest import GSM8K_DIR
 
 from grpo_kit.reward import gsm8k_reward
 from grpo_kit.tasks import resolve
 from grpo_kit.tasks.math import Verifier, final_answer, math_reward
 
-GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 SAMPLE = 300
 PATIENT_S = 60.0
 """Per-check bound where a test is about the answer, not the bound: the machine may be heavily loaded."""

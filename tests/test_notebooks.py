@@ -18,13 +18,13 @@ import nbformat
 import papermill as pm
 import pytest
 from click.testing import CliRunner
+from conftest import GSM8K_DIR
 from papermill.cli import papermill as papermill_cli
 
 from grpo_kit import config, figures
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4}
 HF = {**TINY, "engine": "hf"}
 SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
@@ -152,7 +152,7 @@ def test_inspect_run_redraws_a_finished_run(quickstart, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_notebook_runs_on_local_files(tmp_path):
     run_dir = tmp_path / "run"
     nb = execute(
@@ -161,7 +161,7 @@ def test_gsm8k_notebook_runs_on_local_files(tmp_path):
         **{**HF, "eval_size": 8},
         profile="smoke",
         model="tiny",
-        dataset=str(GSM8K),
+        dataset=str(GSM8K_DIR),
         dtype="float32",
         max_model_len=512,  # GSM8K prompts are long in the tiny model's tokens
         max_new_tokens=16,
@@ -170,19 +170,19 @@ def test_gsm8k_notebook_runs_on_local_files(tmp_path):
     )
     assert not error_outputs(nb)
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert cfg["profile"] == "smoke" and cfg["data"]["dataset"] == str(GSM8K)
+    assert cfg["profile"] == "smoke" and cfg["data"]["dataset"] == str(GSM8K_DIR)
     assert json.loads((run_dir / "summary.json").read_text())["iterations"] == TINY["iterations"]
     assert all(r["prompt_id"].startswith("gsm8k-train-") for r in read_jsonl(run_dir / "rollouts.jsonl"))
     assert (run_dir / "report.html").is_file()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu(tmp_path):
     """The real chat model (SmolLM2-135M-Instruct) on GSM8K through the notebook, default vLLM engine."""
     run_dir = tmp_path / "run"
     nb = execute(
-        "02_gsm8k.ipynb", tmp_path, profile="smol", dataset=str(GSM8K), iterations=2, prompts_per_step=2,
+        "02_gsm8k.ipynb", tmp_path, profile="smol", dataset=str(GSM8K_DIR), iterations=2, prompts_per_step=2,
         group_size=4, eval_size=4, eval_every=1, max_new_tokens=16, micro_batch=4, max_model_len=512,
         train_size=64, run_dir=str(run_dir),
     )
@@ -191,7 +191,7 @@ def test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu(tmp_path):
     assert "<|im_start|>system" in out and "<|im_start|>assistant" in out  # the prompt as the chat model sees it
     assert "strict ('#### <n>' and the right value)" in out and "lenient" in out
     cfg = json.loads((run_dir / "config.json").read_text())
-    assert (cfg["profile"], cfg["model"]["model"], cfg["data"]["dataset"]) == ("smol", "smollm2-135m", str(GSM8K))
+    assert (cfg["profile"], cfg["model"]["model"], cfg["data"]["dataset"]) == ("smol", "smollm2-135m", str(GSM8K_DIR))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["lenient_acc_after"] is not None
     assert (run_dir / "report.html").is_file()

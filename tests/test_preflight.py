@@ -18,15 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SIZES = [1024, 64 << 10, 1 << 20]
 
 
-@pytest.fixture(scope="module")
-def client():
-    c = cl.connect(n_rollout_workers=1, n_trainer_workers=2, quiet=True)
-    yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
-
-
 def test_sweep_across_two_gloo_ranks(client):
     res = preflight.run_preflight(client, sizes=SIZES)
     assert res.world_size == 2 and res.backend == "gloo" and res.sizes == SIZES

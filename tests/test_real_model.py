@@ -6,10 +6,10 @@ learning run itself is bench/real_model.py."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import GSM8K_DIR
 from transformers import AutoTokenizer
 
 from grpo_kit import config, data, loop, models, tasks
@@ -68,10 +68,9 @@ def test_engine_logprobs_are_the_trainers(which, smol_path, store, one_torch_thr
     assert_aligned(dlogp(policy(smol_path, store, 1), out), min_tokens=400)
 
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason="needs ../shared/data/gsm8k")
+@pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
 @pytest.mark.parametrize("which", ENGINES)
 def test_loop_on_smollm2(which, smol_path, tmp_path):
     """Two pipelined iterations of GSM8K on a real LocalCluster: chat prompts, stop strings, strict
@@ -82,7 +81,7 @@ def test_loop_on_smollm2(which, smol_path, tmp_path):
     cfg = config.profile(
         "smol", engine=engine, lora_mode=mode or "auto", iterations=2, prompts_per_step=2, group_size=4,
         max_new_tokens=24, eval_size=4, eval_every=1, micro_batch=4, run_dir=str(tmp_path / "run"),
-        dataset=str(GSM8K), train_size=64, max_model_len=512,
+        dataset=str(GSM8K_DIR), train_size=64, max_model_len=512,
         kl_beta=1e-3,  # every row trains (kl_beta 0 skips rows with no advantage), so the ratio is measured
     )
     result = loop.run(cfg, progress=False)

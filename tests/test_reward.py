@@ -10,10 +10,10 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from conftest import GSM8K_DIR
 
 from grpo_kit.reward import MAX_CHARS, RewardResult, extract_answer, gsm8k_reward, reward_batch
 
-GSM8K_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k"
 GSM8K_ROWS = 8792  # 7,473 train + 1,319 test
 
 
@@ -287,7 +287,6 @@ def test_real_smollm2_completions():
     two-iteration run, and greedy), with the scores the smol reward settings give (format bonus
     0.1, lenient credit 0.5); each row's ``why`` says what it checks."""
     import json
-    from pathlib import Path
 
     rows = [json.loads(line) for line in (Path(__file__).parent / "data" / "smollm2_completions.jsonl").open()]
     assert len(rows) >= 10 and {r["expected"]["rule"] for r in rows} == {None, "last", "marker"}

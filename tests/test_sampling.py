@@ -8,7 +8,6 @@ import json
 import pytest
 
 from grpo_kit import checkpoint, config, loop, tasks
-from grpo_kit import cluster as cl
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.sampling import Group, extra_prompts, select_groups, usable_cost, usable_samples
 
@@ -72,15 +71,6 @@ def test_config_fields():
 
 
 # ----------------------------------------------------------------- the driver
-
-
-@pytest.fixture(scope="module")
-def client():
-    c = cl.connect(n_rollout_workers=1, n_trainer_workers=2, quiet=True)
-    yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
 
 
 def _cfg(tmp_path, name, **kw):

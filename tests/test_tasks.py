@@ -7,12 +7,11 @@ import json
 import math
 import pickle
 import time
-from pathlib import Path
 
 import cloudpickle
 import pytest
+from conftest import GSM8K_DIR
 
-from grpo_kit import cluster as cl
 from grpo_kit import config, loop, tasks
 from grpo_kit.data import Problem
 from grpo_kit.reward import RewardResult
@@ -226,16 +225,10 @@ def test_task_objects_and_task_options_do_not_mix():
         tasks.for_config(cfg, Task("t", lambda *a: _problems(), [_const(1.0)]))
 
 
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
-@pytest.fixture(scope="module")
-def client():
-    c = cl.connect(n_rollout_workers=1, n_trainer_workers=1, n_reward_workers=1, quiet=True)
-    yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
+CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1, "n_reward_workers": 1}
+"""The ``client`` fixture's cluster (conftest.py): scoring on a reward worker of its own."""
 
 
 @pytest.mark.slow
