@@ -99,7 +99,6 @@ def _lenient(arr: Arrays, name: str, color: str) -> go.Scatter:
     )
 
 
-
 def _band_data(records, lo: Callable[[Record], Any], hi: Callable[[Record], Any]) -> Arrays:
     """A filled band's outline: along the upper edge and back along the lower one."""
     pts = [(iteration_of(r, i), number(lo(r)), number(hi(r))) for i, r in enumerate(records)]
@@ -281,7 +280,6 @@ def components_figure(records: Sequence[Record]) -> go.Figure:
     fig.update_yaxes(title_text="batch mean", secondary_y=False)
     fig.update_yaxes(title_text="completions with a failed reward", rangemode="tozero", secondary_y=True, showgrid=False)
     return fig
-
 
 
 TIMELINE_ITERATIONS = 100

@@ -14,6 +14,7 @@ from typing import Any
 Record = Mapping[str, Any]
 """One per-iteration metrics record as read back (:class:`grpo_kit.records.MetricsRecord`'s keys)."""
 
+
 def number(v: Any) -> float | None:
     """A finite real number as float, else None (bools, strings, NaN and null are not data)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -37,7 +38,6 @@ def series(records: Sequence[Record], key: str | Callable[[Record], Any]) -> tup
             xs.append(iteration_of(rec, i))
             ys.append(y)
     return xs, ys
-
 
 
 def last_number(records: Sequence[Record], key: str) -> Any:

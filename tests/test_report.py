@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-
 # ---------------------------------------------------------------- report
 
 

@@ -16,7 +16,6 @@ from grpo_kit import figures, widgets
 ROOT = Path(__file__).resolve().parents[1]
 
 
-
 # ---------------------------------------------------------------- live plots
 
 
