@@ -113,9 +113,9 @@ def connect(
 def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     """Grow or shrink the rollout role of a :func:`connect` ``LocalCluster`` to ``n`` workers; the
     trainer workers are untouched. New workers copy ``rollout-0``'s spec (and get the registered
-    plugins: the engine warms before the worker takes rollout tasks); removed ones, the newest first,
-    are retired gracefully (their running tasks are recomputed elsewhere if lost). Returns the rollout
-    workers' addresses once ``n`` of them advertise the role (a joining one only once it is warm)."""
+    plugins: each builds its engine as it joins); removed ones, the newest first, are retired
+    gracefully (their running tasks are recomputed elsewhere if lost). Returns the rollout workers'
+    addresses once there are ``n`` of them and every engine is warm (:func:`engine_ready`)."""
     cluster = client.cluster
     if cluster is None or not hasattr(cluster, "worker_spec"):
         raise TypeError("scale_rollout needs a SpecCluster started by cluster.connect(); scale other clusters "
@@ -136,9 +136,8 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     cluster.scale(len(spec))  # no count change: applies the edited specs (SpecCluster._correct_state)
     deadline = time.time() + timeout
     while True:
-        found = workers_with(client, ROLLOUT, warming=True)
-        if (len(found) == n and workers_with(client, ROLLOUT) == found
-                and all(a is True for a in client.run(engine_ready, workers=found, on_error="return").values())):
+        found = workers_with(client, ROLLOUT)
+        if len(found) == n and all(a is True for a in client.run(engine_ready, workers=found, on_error="return").values()):
             return found
         if time.time() > deadline:
             raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
@@ -242,12 +241,10 @@ class ThreadsPlugin(WorkerPlugin):
             torch.set_num_threads(int(threads))
 
 
-def workers_with(client: Client, resource: str, warming: bool = False) -> list[str]:
-    """Addresses of the workers that advertise ``resource``, sorted; ``warming`` adds those that hold it
-    at 0 for now (a rollout worker whose engine is being built, :class:`grpo_kit.remote.EnginePlugin`)."""
+def workers_with(client: Client, resource: str) -> list[str]:
+    """Addresses of the workers that advertise ``resource``, sorted."""
     info = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
-    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource) or
-                  (warming and resource in w.get("resources", {})))
+    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource))
 
 
 def _accepts_n_workers(client: Client) -> bool:
@@ -274,5 +271,5 @@ def engine_ready(dask_worker) -> bool:
     """Whether this worker is ready for rollout tasks: no engine registered, or its engine warm
     (``client.run(engine_ready)``)."""
     plugin = dask_worker.plugins.get(ENGINE_PLUGIN)
-    return plugin is None or (plugin.warm.is_set() and bool(dask_worker.state.total_resources.get(ROLLOUT)))
+    return plugin is None or plugin.warm.is_set()
 

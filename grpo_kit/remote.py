@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from distributed import Client, WorkerPlugin, get_worker
 
 from .adapters import AdapterStore
-from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, workers_with
+from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, engine_ready, workers_with
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
 from .prompts import prompt_format
@@ -38,9 +38,12 @@ class EnginePlugin(WorkerPlugin):
     """A warm rollout engine in each rollout worker, reused across tasks.
 
     Registered with ``client.register_plugin``, so the scheduler also installs it on every worker that
-    joins later. On a rollout worker, :meth:`setup` builds the engine in a background thread with the
-    worker's ``rollout`` resource set to 0, and restores it when the engine is built and has sampled
-    once: a worker that joins mid-run gets no rollout task until it is warm (the elastic fleet).
+    joins later. On a rollout worker, :meth:`setup` starts building the engine (and sampling once) in
+    a background thread; a rollout task that arrives meanwhile waits for it, and :func:`engine_ready`
+    says when it is done. The worker's ``rollout`` resource is never changed: Dask does not revisit a
+    task it could not place when a worker's resources come back (``Scheduler.add_resources``), nor a
+    task a worker holds as ``constrained`` when ``Worker.set_resources`` raises them, so holding the
+    resource at 0 during the build hung runs whose only rollout worker was being replaced.
     """
 
     def __init__(self, kind: str, model_path: str, store_root: str, storage_options: dict | None, engine_kwargs: dict):
@@ -56,24 +59,20 @@ class EnginePlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self.warm = threading.Event()  # set once the worker's engine is built and has sampled
         self.warm_s = 0.0  # seconds that took (build included)
-        amount = worker.state.total_resources.get(ROLLOUT, 0)
-        if amount:
-            worker.loop.add_callback(self._warm_gated, worker, amount)
+        if worker.state.total_resources.get(ROLLOUT, 0):
+            worker.loop.add_callback(self._warm, worker)
         else:
             self.warm.set()
 
-    async def _warm_gated(self, worker, amount: float) -> None:
+    async def _warm(self, worker) -> None:
         import asyncio
 
-        await worker.set_resources(**{ROLLOUT: 0})
         try:
             self.warm_s = await asyncio.to_thread(warm_engine, engine=self.engine)
         except Exception:  # the first task raises the same error where a driver sees it
             log.exception("building the rollout engine failed on %s", worker.address)
         finally:
             self.warm.set()
-            if worker.status.name in ("running", "paused"):  # not when the worker closed meanwhile
-                await worker.set_resources(**{ROLLOUT: amount})
 
     def engine(self):
         with self._lock:  # a task that arrives during the warm-up waits for it, never builds twice
@@ -191,13 +190,14 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
 
 
 def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
-    """Wait until no rollout worker is still building its engine (:class:`EnginePlugin` holds its
-    ``rollout`` resource at 0 meanwhile); returns the rollout workers. (A task pinned to a worker that
-    lacks a resource, with ``allow_other_workers``, may otherwise be sent to a worker without the role.)"""
+    """Wait until every rollout worker has built its engine and sampled once (:func:`engine_ready`),
+    at most ``timeout`` seconds; returns the rollout workers that are warm."""
     deadline = time.time() + timeout
     while True:
-        warm, all_ = workers_with(client, ROLLOUT), workers_with(client, ROLLOUT, warming=True)
-        if warm == all_ or time.time() > deadline:
+        workers = workers_with(client, ROLLOUT)
+        ready = client.run(engine_ready, workers=workers, on_error="return") if workers else {}
+        warm = sorted(a for a, ok in ready.items() if ok is True)
+        if warm == workers or time.time() > deadline:
             return warm
         time.sleep(0.1)
 
