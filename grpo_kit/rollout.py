@@ -34,8 +34,44 @@ from grpo_kit import data
 from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts
 
 
+@dataclass(kw_only=True)
+class Scored:
+    """What reward scoring and the loop add to a completion: the fields :class:`Rollout` and
+    :class:`RolloutSummary` share after their own (keyword-only, all with defaults)."""
+
+    stop: str | None = None
+    """The stop string that ended the completion (None: EOS, or cut at ``max_new_tokens``)."""
+    reward: float | None = None
+    reward_reason: str | None = None
+    correct: bool | None = None
+    """The answer is right by the reward's strict rule (format and value)."""
+    lenient_correct: bool | None = None
+    """The answer is right by any rule the reward knows (e.g. the last number in the text)."""
+    reward_components: dict | None = None
+    """Each reward function's score (by component name; None where it did not apply or failed)."""
+    reward_errors: int = 0
+    """Reward functions that raised, timed out or returned garbage for this completion (scored 0)."""
+    iteration: int | None = None
+    """Training iteration the rollout was generated for (set by the loop)."""
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (it crosses Dask and goes to JSONL)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        unknown = set(d) - {f.name for f in fields(cls)}
+        if unknown:  # e.g. a field added to Rollout and not to RolloutSummary
+            raise ValueError(f"unknown {cls.__name__} field(s): {sorted(unknown)}")
+        return cls(**d)
+
+
 @dataclass
-class Rollout:
+class Rollout(Scored):
     """One sampled completion and what the trainer and the metrics need about it."""
 
     prompt_id: str
@@ -58,39 +94,12 @@ class Rollout:
     """Decoded completion, without the stop token or stop string and without special tokens."""
     gold: str | None
     """The problem's gold answer, carried along for the reward."""
-    stop: str | None = None
-    """The stop string that ended the completion (None: EOS, or cut at ``max_new_tokens``)."""
-    reward: float | None = None
-    reward_reason: str | None = None
-    correct: bool | None = None
-    """The answer is right by the reward's strict rule (format and value)."""
-    lenient_correct: bool | None = None
-    """The answer is right by any rule the reward knows (e.g. the last number in the text)."""
-    reward_components: dict | None = None
-    """Each reward function's score (by component name; None where it did not apply or failed)."""
-    reward_errors: int = 0
-    """Reward functions that raised, timed out or returned garbage for this completion (scored 0)."""
-    iteration: int | None = None
-    """Training iteration the rollout was generated for (set by the loop)."""
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON types (it crosses Dask and goes to JSONL)."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        for k in ("prompt_ids", "completion_ids", "logprobs"):
+        d = super().to_dict()
+        for k in TOKEN_FIELDS:
             d[k] = list(d[k])
         return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Rollout:
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown Rollout field(s): {sorted(unknown)}")
-        return cls(**d)
 
 
 TOKEN_FIELDS = ("prompt_ids", "completion_ids", "logprobs")
@@ -98,7 +107,7 @@ TOKEN_FIELDS = ("prompt_ids", "completion_ids", "logprobs")
 
 
 @dataclass
-class RolloutSummary:
+class RolloutSummary(Scored):
     """A scored :class:`Rollout` as the driver sees it: every field but the token ids and log-probs,
     which stay on the workers for the trainer ranks, and their counts instead."""
 
@@ -113,18 +122,6 @@ class RolloutSummary:
     """``len(prompt_ids)``."""
     completion_tokens: int
     """``len(completion_ids)``."""
-    stop: str | None = None
-    reward: float | None = None
-    reward_reason: str | None = None
-    correct: bool | None = None
-    lenient_correct: bool | None = None
-    reward_components: dict | None = None
-    reward_errors: int = 0
-    iteration: int | None = None
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
 
     @staticmethod
     def of(rollout: dict[str, Any]) -> dict[str, Any]:
@@ -132,16 +129,6 @@ class RolloutSummary:
         d = {k: v for k, v in rollout.items() if k not in TOKEN_FIELDS}
         d["prompt_tokens"], d["completion_tokens"] = len(rollout["prompt_ids"]), len(rollout["completion_ids"])
         return d
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> RolloutSummary:
-        unknown = set(d) - {f.name for f in fields(cls)}
-        if unknown:  # a field added to Rollout and not here
-            raise ValueError(f"unknown RolloutSummary field(s): {sorted(unknown)}")
-        return cls(**d)
 
 
 @runtime_checkable
