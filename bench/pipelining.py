@@ -122,9 +122,7 @@ def main() -> None:
             elapsed = time.time() - t0
         payload = counter.token_bytes() / (2 * (args.warmup + args.iterations))
     finally:
-        cl = client.cluster
-        client.close()
-        cl.close()
+        cluster.shutdown(client)
 
     # generation and training compute per iteration, each run's own
     gen, train = pipe["gen_s"], pipe["train_compute_s"]

@@ -223,9 +223,7 @@ def main(argv=None) -> dict:
         sampler = holder["s"]
         sampler.sample(args.iterations - 1)
     finally:
-        cluster_ = client.cluster
-        client.close()
-        cluster_.close()
+        cluster.shutdown(client)
     report_path = report.write_report(cfg.run.run_dir)
     report_mb = os.path.getsize(report_path) / 2**20
     live_ms = live_update_ms(res.records, args.live_points)

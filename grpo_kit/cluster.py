@@ -6,7 +6,8 @@ advertising ``trainer=1`` hosts a trainer rank (``reward=1``: a scoring worker).
 process group can live inside them), or connects to an existing scheduler whose workers were started
 with ``--resources rollout=1`` / ``--resources trainer=1`` (dask-jobqueue: ``worker_extra_args``;
 dask-kubernetes: the worker command's args). :class:`ThreadsPlugin` sets every worker up (threads,
-CPU affinity, malloc, no task profiler); :func:`workers_with` and :func:`wait_for_role` find the roles.
+CPU affinity, malloc, no task profiler); :func:`workers_with` and :func:`wait_for_role` find the roles;
+:func:`shutdown` closes a client and its cluster.
 
 What runs on the workers is elsewhere: the worker-resident rollout engine and the rollout, reward,
 summary and eval tasks in :mod:`grpo_kit.remote`; the gang-scheduled trainer in :mod:`grpo_kit.gang`.
@@ -251,6 +252,16 @@ def _accepts_n_workers(client: Client) -> bool:
     import inspect
 
     return "n_workers" in inspect.signature(client.scheduler_info).parameters
+
+
+def shutdown(client: Client) -> None:
+    """Close ``client`` and the cluster it started or was given as ``client.cluster`` (a
+    ``LocalCluster`` from :func:`connect`, a ``SLURMCluster`` from :func:`grpo_kit.slurm.slurm_cluster`);
+    a client connected to a scheduler address has none, and only the client closes."""
+    cluster = client.cluster
+    client.close()
+    if cluster is not None:
+        cluster.close()
 
 
 def wait_for_role(client: Client, resource: str, n: int, timeout: float = 120) -> list[str]:

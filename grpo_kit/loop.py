@@ -164,10 +164,7 @@ def run(
         if gang is not None:
             gang.close()
         if own_client:
-            cluster = client.cluster
-            client.close()
-            if cluster is not None:
-                cluster.close()
+            cl.shutdown(client)
 
 
 class _Driver:

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tls-cert")
     p.add_argument("--tls-key")
     a = p.parse_args(argv)
-    from .cluster import TRAINER, connect, wait_for_role
+    from .cluster import TRAINER, connect, shutdown, wait_for_role
 
     security = None
     if a.tls_ca_file:
@@ -225,10 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
         workers = workers[: a.world_size] if a.world_size else workers
         res = run_preflight(client, workers, parse_sizes(a.sizes), min_busbw_gbps=a.min_busbw_gbps, on_slow=a.on_slow)
     finally:
-        cluster = client.cluster
-        client.close()
-        if cluster is not None:
-            cluster.close()
+        shutdown(client)
     print(res.table())
     d = res.to_dict()
     print(json.dumps({k: d[k] for k in ("world_size", "backend", "sizes", "time_s", "algbw_gbps", "busbw_gbps",

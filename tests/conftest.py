@@ -30,6 +30,4 @@ def client(request):
 
     c = cl.connect(**getattr(request.module, "CLUSTER_SHAPE", CLUSTER_SHAPE), quiet=True)
     yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
+    cl.shutdown(c)

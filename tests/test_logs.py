@@ -105,9 +105,7 @@ def test_worker_output_goes_to_a_file_and_errors_to_the_kernel(tmp_path, capfd):
         client.run(lambda: print("back on the inherited stdout", flush=True), workers=[worker])
         assert "back on the inherited stdout" in capfd.readouterr().out
     finally:
-        local = client.cluster
-        client.close()
-        local.close()
+        cluster.shutdown(client)
 
 
 class _Records(logging.Handler):

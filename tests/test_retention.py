@@ -97,9 +97,7 @@ def test_pruned_run_resumes_and_ends_like_an_unpruned_one(tmp_path):
         loop.run(full, client=client, progress=False)
         assert AdapterStore(full.run.store_root).versions() == list(range(1, 8))
     finally:
-        c = client.cluster
-        client.close()
-        c.close()
+        cl.shutdown(client)
     wa = load_file(f"{AdapterStore(full.run.store_root).fetch(7)}/adapter_model.safetensors")
     wb = load_file(f"{store.fetch(7)}/adapter_model.safetensors")
     for k in wa:

@@ -51,9 +51,7 @@ def client(tmp_path_factory):
         job_script_prologue=[f"export PYTHONPATH={ROOT}"],  # the checkout under test, not an installed kit
     )
     yield c
-    cluster = c.cluster
-    c.close()
-    cluster.close()
+    cl.shutdown(c)
 
 
 def _cfg(tmp_path, **kw):

@@ -53,9 +53,7 @@ def test_workers_run_without_the_task_profiler():
         state = client.run(_profiler_state)
         assert list(state.values()) == [(False, 0), (False, 0)]  # no sampling, no call-tree history
     finally:
-        c = client.cluster
-        client.close()
-        c.close()
+        cl.shutdown(client)
 
 
 def test_the_plugin_stops_a_running_profiler():
