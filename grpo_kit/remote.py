@@ -23,8 +23,7 @@ from .adapters import AdapterStore
 from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, engine_ready, workers_with
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
-from .prompts import prompt_format
-from .rollout import RolloutSummary
+from .rollout import RolloutSummary, build_engine, engine_options
 from .tasks import Scorer
 from .trainer import warm
 
@@ -87,54 +86,14 @@ class EnginePlugin(WorkerPlugin):
             self._engine = None
 
 
-def build_engine(kind: str, model_path: str, store: AdapterStore | None, **kw):
-    """A rollout engine: ``"vllm"`` (VLLMEngine) or ``"hf"`` (HFEngine)."""
-    if kind == "vllm":
-        from .vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, store=store, **kw)
-    if kind == "hf":
-        from .rollout import HFEngine
-
-        kw = {k: v for k, v in kw.items() if k in ("dtype", "max_model_len", "prompt_format", "stop")}
-        return HFEngine(model_path, store=store, **kw)
-    raise ValueError(f"unknown engine {kind!r}")
-
-
 def register_engines(client: Client, cfg: Config, model_path: str, store_root: str | None = None,
                      storage_options: dict | None = None, instruction: str = DEFAULT_INSTRUCTION) -> None:
     """Register the run's engine on every rollout worker (built there on first use). ``instruction``
     is the task's answer-format instruction (``cfg.prompt.instruction`` overrides it)."""
-    kw = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len,
-          "prompt_format": prompt_format(cfg, instruction),
-          "stop": cfg.sampling.stop}
-    if cfg.sampling.engine == "vllm":
-        kw["max_lora_rank"] = cfg.lora.lora_r  # the engine rounds it up to a rank vLLM accepts
-        kw["seed"] = cfg.run.seed
-        kw["gpu_memory_utilization"] = cfg.sampling.gpu_memory_utilization
-        kw["kv_cache_bytes"] = cfg.sampling.kv_cache_bytes
-        kw["max_batch_seqs"] = engine_batch_seqs(cfg)
-        kw["lora_mode"] = cfg.sampling.lora_mode
+    kw = engine_options(cfg, instruction)
     plugin = EnginePlugin(cfg.sampling.engine, model_path, store_root or cfg.run.store_root, storage_options, kw)
     client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)  # also on clusters connect() did not start
     client.register_plugin(plugin, name=ENGINE_PLUGIN)
-
-
-MAX_ENGINE_SEQS = 256
-"""Cap on the sequences one engine runs at once (vLLM's ``max_num_seqs``); larger evaluations queue."""
-
-
-def engine_batch_seqs(cfg: Config) -> int:
-    """The largest batch one rollout worker is sent: its share of a generation batch or the held-out
-    set, capped at :data:`MAX_ENGINE_SEQS`. The CPU engine sizes its KV cache for it.
-
-    >>> from grpo_kit.config import profile
-    >>> engine_batch_seqs(profile("tiny", eval_size=64)), engine_batch_seqs(profile("tiny", n_rollout_workers=2, eval_size=8))
-    (96, 48)
-    """
-    s = cfg.sampling
-    chunk = -(-s.prompts_per_step // max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))) * s.group_size
-    return min(MAX_ENGINE_SEQS, max(chunk, cfg.data.eval_size if cfg.run.eval_every else 1))
 
 
 def _engine():

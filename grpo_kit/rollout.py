@@ -31,7 +31,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 from grpo_kit import data
-from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts
+from grpo_kit.config import Config
+from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts, prompt_format
 
 
 @dataclass(kw_only=True)
@@ -230,6 +231,12 @@ class HFEngine:
     Log-probs are taken from ``generate``'s ``scores`` (the processed logits that were sampled from).
     """
 
+    @classmethod
+    def options(cls, cfg: Config, fmt: PromptFormat) -> dict[str, Any]:
+        """This engine's keyword arguments from a run's config (see :data:`ENGINES`)."""
+        return {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len, "prompt_format": fmt,
+                "stop": cfg.sampling.stop}
+
     def __init__(
         self,
         model_path: str,
@@ -377,3 +384,47 @@ class HFEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- engines by name
+
+ENGINES = {"hf": "grpo_kit.rollout:HFEngine", "vllm": "grpo_kit.vllm_engine:VLLMEngine"}
+"""Engine kinds (``SamplingConfig.engine``) -> their class, imported when first used. Each class has
+an ``options(cfg, prompt_format)`` classmethod: its constructor's keyword arguments from a config."""
+
+MAX_ENGINE_SEQS = 256
+"""Cap on the sequences one engine runs at once (vLLM's ``max_num_seqs``); larger evaluations queue."""
+
+
+def engine_class(kind: str) -> type:
+    """The engine class registered as ``kind`` in :data:`ENGINES`."""
+    import importlib
+
+    if kind not in ENGINES:
+        raise ValueError(f"unknown engine {kind!r}; known: {sorted(ENGINES)}")
+    module, name = ENGINES[kind].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def engine_options(cfg: Config, instruction: str = data.DEFAULT_INSTRUCTION) -> dict[str, Any]:
+    """The keyword arguments of the run's engine (``cfg.sampling.engine``), from the config and the
+    task's answer-format ``instruction`` (``cfg.prompt.instruction`` overrides it)."""
+    return engine_class(cfg.sampling.engine).options(cfg, prompt_format(cfg, instruction))
+
+
+def build_engine(kind: str, model_path: str, store=None, **kw):
+    """A rollout engine of ``kind`` (:data:`ENGINES`) on ``model_path``, adapters from ``store``."""
+    return engine_class(kind)(model_path, store=store, **kw)
+
+
+def engine_batch_seqs(cfg: Config) -> int:
+    """The largest batch one rollout worker is sent: its share of a generation batch or the held-out
+    set, capped at :data:`MAX_ENGINE_SEQS`. The CPU engine sizes its KV cache for it.
+
+    >>> from grpo_kit.config import profile
+    >>> engine_batch_seqs(profile("tiny", eval_size=64)), engine_batch_seqs(profile("tiny", n_rollout_workers=2, eval_size=8))
+    (96, 48)
+    """
+    s = cfg.sampling
+    chunk = -(-s.prompts_per_step // max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))) * s.group_size
+    return min(MAX_ENGINE_SEQS, max(chunk, cfg.data.eval_size if cfg.run.eval_every else 1))

@@ -62,7 +62,7 @@ from grpo_kit import data
 from grpo_kit.config import LORA_MODES
 from grpo_kit.logs import reload_misses
 from grpo_kit.prompts import PromptFormat, encode_prompts
-from grpo_kit.rollout import Rollout, check_request, group_seed, make_rollout, stop_token_ids
+from grpo_kit.rollout import Rollout, check_request, engine_batch_seqs, group_seed, make_rollout, stop_token_ids
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -113,6 +113,15 @@ class VLLMEngine:
     (module docstring). ``in_process=False`` runs vLLM's engine core in a child process (its
     default; needs a ``__main__`` guard).
     """
+
+    @classmethod
+    def options(cls, cfg, fmt: PromptFormat) -> dict:
+        """This engine's keyword arguments from a run's config (see :data:`grpo_kit.rollout.ENGINES`)."""
+        s = cfg.sampling
+        return {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len, "prompt_format": fmt,
+                "stop": s.stop, "max_lora_rank": cfg.lora.lora_r,  # rounded up to a rank vLLM accepts
+                "seed": cfg.run.seed, "gpu_memory_utilization": s.gpu_memory_utilization,
+                "kv_cache_bytes": s.kv_cache_bytes, "max_batch_seqs": engine_batch_seqs(cfg), "lora_mode": s.lora_mode}
 
     def __init__(
         self,
