@@ -132,12 +132,7 @@ def run(
             print("warming up: building rollout engines and trainer policies ...", flush=True)
         remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
-        spec = RankSpec(
-            run_id=run_id, model_path=model_path, store_root=store.root, storage_options=storage_options,
-            model=cfg.model, lora=cfg.lora, loss=cfg.loss, optim=cfg.optim, seed=cfg.run.seed, rank=0,
-            world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
-            timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
-        )
+        spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options)
         gang = TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
         fabric = None
         if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric

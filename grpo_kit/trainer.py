@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import AdapterStore, VersionExistsError
-from .config import LoRAConfig, LossConfig, ModelConfig, OptimConfig
+from .config import Config, LoRAConfig, LossConfig, ModelConfig, OptimConfig
 from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
 
 
@@ -58,6 +58,17 @@ class RankSpec:
     """dr_grpo's constant (the completion budget)."""
     local_rank: int = 0
     """This rank's index among the gang's ranks on the same host: its GPU where a worker sees several."""
+
+    @classmethod
+    def for_run(cls, cfg: Config, run_id: str, model_path: str, store_root: str,
+                storage_options: dict | None) -> RankSpec:
+        """Rank 0's spec for a run of ``cfg`` (the gang fills in rank, gang id and rendezvous)."""
+        return cls(
+            run_id=run_id, model_path=model_path, store_root=store_root, storage_options=storage_options,
+            model=cfg.model, lora=cfg.lora, loss=cfg.loss, optim=cfg.optim, seed=cfg.run.seed, rank=0,
+            world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
+            timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
+        )
 
 
 def _dtype(name: str) -> torch.dtype:
