@@ -38,7 +38,8 @@ class EnginePlugin(WorkerPlugin):
 
     Registered with ``client.register_plugin``, so the scheduler also installs it on every worker that
     joins later. On a rollout worker, :meth:`setup` starts building the engine (and sampling once) in
-    a background thread; a rollout task that arrives meanwhile waits for it, and :func:`engine_ready`
+    a background thread; a task that arrives meanwhile waits until that is done (a second thread in
+    the engine, or in transformers' first imports, breaks it), and :func:`engine_ready`
     says when it is done. The worker's ``rollout`` resource is never changed: Dask does not revisit a
     task it could not place when a worker's resources come back (``Scheduler.add_resources``), nor a
     task a worker holds as ``constrained`` when ``Worker.set_resources`` raises them, so holding the
@@ -100,6 +101,7 @@ def _engine():
     plugin = get_worker().plugins.get(ENGINE_PLUGIN)
     if plugin is None:
         raise RuntimeError("no engine registered on this worker (call remote.register_engines first)")
+    plugin.warm.wait()  # never beside the plugin's own first sampling: engines are not thread-safe
     return plugin.engine()
 
 
