@@ -138,7 +138,8 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     deadline = time.time() + timeout
     while True:
         found = workers_with(client, ROLLOUT)
-        if len(found) == n and all(a is True for a in client.run(engine_ready, workers=found, on_error="return").values()):
+        ready = client.run(engine_ready, engine_registered(client), workers=found, on_error="return")
+        if len(found) == n and all(a is True for a in ready.values()):
             return found
         if time.time() > deadline:
             raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
@@ -278,9 +279,14 @@ def wait_for_role(client: Client, resource: str, n: int, timeout: float = 120) -
         time.sleep(0.2)
 
 
-def engine_ready(dask_worker) -> bool:
-    """Whether this worker is ready for rollout tasks: no engine registered, or its engine warm
-    (``client.run(engine_ready)``)."""
+def engine_ready(dask_worker, registered: bool = False) -> bool:
+    """Whether this worker is ready for rollout tasks: its engine warm, or none installed on it and
+    ``registered`` False (no run registered one on the cluster). ``client.run(engine_ready, ...)``."""
     plugin = dask_worker.plugins.get(ENGINE_PLUGIN)
-    return plugin is None or plugin.warm.is_set()
+    return not registered if plugin is None else plugin.warm.is_set()
+
+
+def engine_registered(client: Client) -> bool:
+    """Whether a run registered its engine plugin on this cluster (new workers then get it too)."""
+    return client.run_on_scheduler(lambda dask_scheduler: ENGINE_PLUGIN in dask_scheduler.worker_plugins)
 

@@ -14,13 +14,23 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from distributed import Client, WorkerPlugin, get_worker
 
 from .adapters import AdapterStore
-from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, engine_ready, workers_with
+from .cluster import (
+    ENGINE_PLUGIN,
+    ROLLOUT,
+    THREADS_PLUGIN,
+    TRAINER,
+    ThreadsPlugin,
+    engine_ready,
+    engine_registered,
+    workers_with,
+)
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
 from .rollout import RolloutSummary, build_engine, engine_options
@@ -53,9 +63,7 @@ class EnginePlugin(WorkerPlugin):
         self._engine = None
 
     def setup(self, worker):
-        import threading
-
-        self._engine = None
+        self._engine, self._closed = None, False
         self._lock = threading.Lock()
         self.warm = threading.Event()  # set once the worker's engine is built and has sampled
         self.warm_s = 0.0  # seconds that took (build included)
@@ -67,24 +75,47 @@ class EnginePlugin(WorkerPlugin):
     async def _warm(self, worker) -> None:
         import asyncio
 
+        def build_and_sample() -> float:
+            with WARM_LOCK:  # after a replaced plugin's warm-up, never beside it
+                return warm_engine(engine=self.engine)
+
         try:
-            self.warm_s = await asyncio.to_thread(warm_engine, engine=self.engine)
+            self.warm_s = await asyncio.to_thread(build_and_sample)
         except Exception:  # the first task raises the same error where a driver sees it
-            log.exception("building the rollout engine failed on %s", worker.address)
+            if not self._closed:
+                log.exception("building the rollout engine failed on %s", worker.address)
         finally:
             self.warm.set()
 
     def engine(self):
         with self._lock:  # a task that arrives during the warm-up waits for it, never builds twice
+            if self._closed:
+                raise RuntimeError("this worker's engine plugin was replaced or removed")
             if self._engine is None:
                 store = AdapterStore(self.store_root, self.storage_options)
-                self._engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
+                with WARM_LOCK:
+                    engine = build_engine(self.kind, self.model_path, store, **self.engine_kwargs)
+                if self._closed:  # torn down while it was being built
+                    engine.close()
+                    raise RuntimeError("this worker's engine plugin was replaced or removed")
+                self._engine = engine
             return self._engine
 
     def teardown(self, worker):
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        self._closed = True
+        if self._lock.acquire(blocking=False):  # else a build is under way: engine() closes what it builds
+            try:
+                if self._engine is not None:
+                    self._engine.close()
+                    self._engine = None
+            finally:
+                self._lock.release()
+
+
+WARM_LOCK = threading.RLock()
+"""One engine build or warm-up at a time in a worker process: a plugin registered by a new run
+replaces the last one while the last one may still be building (transformers' lazy imports and model
+loading break when two threads run them at once)."""
 
 
 def register_engines(client: Client, cfg: Config, model_path: str, store_root: str | None = None,
@@ -156,7 +187,7 @@ def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
     deadline = time.time() + timeout
     while True:
         workers = workers_with(client, ROLLOUT)
-        ready = client.run(engine_ready, workers=workers, on_error="return") if workers else {}
+        ready = client.run(engine_ready, engine_registered(client), workers=workers, on_error="return") if workers else {}
         warm = sorted(a for a, ok in ready.items() if ok is True)
         if warm == workers or time.time() > deadline:
             return warm
