@@ -138,7 +138,7 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     deadline = time.time() + timeout
     while True:
         found = workers_with(client, ROLLOUT)
-        ready = client.run(engine_ready, engine_registered(client), workers=found, on_error="return")
+        ready = client.run(engine_ready, workers=found, on_error="return", registered=engine_registered(client))
         if len(found) == n and all(a is True for a in ready.values()):
             return found
         if time.time() > deadline:

@@ -187,7 +187,7 @@ def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
     deadline = time.time() + timeout
     while True:
         workers = workers_with(client, ROLLOUT)
-        ready = client.run(engine_ready, engine_registered(client), workers=workers, on_error="return") if workers else {}
+        ready = client.run(engine_ready, workers=workers, on_error="return", registered=engine_registered(client)) if workers else {}
         warm = sorted(a for a, ok in ready.items() if ok is True)
         if warm == workers or time.time() > deadline:
             return warm
