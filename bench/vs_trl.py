@@ -146,6 +146,7 @@ def kit_config(args: argparse.Namespace) -> config.Config:
         engine=args.engine,
         lora_mode=args.lora_mode,
         run_dir=str(Path(args.out) / "kit"),
+        keep_versions=0,  # every checkpoint is evaluated from the store after the run: retention off
     )
 
 

@@ -32,6 +32,8 @@ def test_defaults_come_from_the_tiny_profile(vs_trl):
     assert cfg.sampling.prompts_per_step == 8
     assert cfg.sampling.engine == "vllm" and cfg.run.pipelined  # the kit's defaults
     assert cfg.run.run_dir.endswith("bench-vs-trl/kit")
+    assert cfg.run.keep_versions == 0  # every checkpoint is evaluated from the store after the run
+    assert vs_trl.dynamic_config(cfg, 3).run.keep_versions == 0
 
 
 def test_quick_and_overrides(vs_trl):
