@@ -138,8 +138,7 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     deadline = time.time() + timeout
     while True:
         found = workers_with(client, ROLLOUT)
-        ready = client.run(engine_ready, workers=found, on_error="return", registered=engine_registered(client))
-        if len(found) == n and all(a is True for a in ready.values()):
+        if len(found) == n and warm_workers(client, found) == found:
             return found
         if time.time() > deadline:
             raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
@@ -284,6 +283,18 @@ def engine_ready(dask_worker, registered: bool = False) -> bool:
     ``registered`` False (no run registered one on the cluster). ``client.run(engine_ready, ...)``."""
     plugin = dask_worker.plugins.get(ENGINE_PLUGIN)
     return not registered if plugin is None else plugin.warm.is_set()
+
+
+def warm_workers(client: Client, workers: list[str]) -> list[str]:
+    """Those of ``workers`` whose engine is warm (:func:`engine_ready`), sorted. A worker that left
+    meanwhile is not warm; any other error in the check is raised, not read as "not warm yet"."""
+    if not workers:
+        return []
+    ready = client.run(engine_ready, workers=workers, on_error="return", registered=engine_registered(client))
+    for addr, ok in ready.items():
+        if isinstance(ok, Exception) and not isinstance(ok, OSError):  # OSError: the worker is gone
+            raise RuntimeError(f"checking whether the engine on {addr} is warm failed: {ok!r}") from ok
+    return sorted(a for a, ok in ready.items() if ok is True)
 
 
 def engine_registered(client: Client) -> bool:

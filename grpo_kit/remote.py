@@ -21,16 +21,7 @@ from typing import TYPE_CHECKING
 from distributed import Client, WorkerPlugin, get_worker
 
 from .adapters import AdapterStore
-from .cluster import (
-    ENGINE_PLUGIN,
-    ROLLOUT,
-    THREADS_PLUGIN,
-    TRAINER,
-    ThreadsPlugin,
-    engine_ready,
-    engine_registered,
-    workers_with,
-)
+from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, warm_workers, workers_with
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
 from .rollout import RolloutSummary, build_engine, engine_options
@@ -49,7 +40,7 @@ class EnginePlugin(WorkerPlugin):
     Registered with ``client.register_plugin``, so the scheduler also installs it on every worker that
     joins later. On a rollout worker, :meth:`setup` starts building the engine (and sampling once) in
     a background thread; a task that arrives meanwhile waits until that is done (a second thread in
-    the engine, or in transformers' first imports, breaks it), and :func:`engine_ready`
+    the engine, or in transformers' first imports, breaks it), and :func:`grpo_kit.cluster.engine_ready`
     says when it is done. The worker's ``rollout`` resource is never changed: Dask does not revisit a
     task it could not place when a worker's resources come back (``Scheduler.add_resources``), nor a
     task a worker holds as ``constrained`` when ``Worker.set_resources`` raises them, so holding the
@@ -182,13 +173,12 @@ def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
 
 
 def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
-    """Wait until every rollout worker has built its engine and sampled once (:func:`engine_ready`),
+    """Wait until every rollout worker has built its engine and sampled once (:func:`grpo_kit.cluster.engine_ready`),
     at most ``timeout`` seconds; returns the rollout workers that are warm."""
     deadline = time.time() + timeout
     while True:
         workers = workers_with(client, ROLLOUT)
-        ready = client.run(engine_ready, workers=workers, on_error="return", registered=engine_registered(client)) if workers else {}
-        warm = sorted(a for a, ok in ready.items() if ok is True)
+        warm = warm_workers(client, workers)
         if warm == workers or time.time() > deadline:
             return warm
         time.sleep(0.1)
