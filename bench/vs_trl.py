@@ -1,12 +1,21 @@
 """grpo-kit against TRL's ``GRPOTrainer``: training wall time to a held-out accuracy target.
 
-    python bench/vs_trl.py [--repeats 3] [--steps N] [--prompts-per-step 8] [--eval-every K] [--quick] [--lr ...]
+    python bench/vs_trl.py [--profile tiny|smol] [--repeats 3] [--steps N] [--prompts-per-step 8]
+                           [--eval-every K] [--quick] [--lr ...]
 
-Both sides train LoRA on the tiny base model (``grpo_kit.tiny``), on CPU in fp32, one after the other
-in this process: the same training prompts in the same order (the kit's own per-iteration draw), the
-same reward (:func:`grpo_kit.reward.gsm8k_reward`), group size, batch, LoRA shape, learning rate, KL
-coefficient, clip epsilon, completion budget and temperature 1.0, all taken from the kit's ``tiny``
-profile unless a flag overrides them. The kit runs with its defaults (vLLM engine, pipelined).
+Both sides train LoRA on the profile's base model (``tiny``: the kit's own ``grpo_kit.tiny``;
+``smol``: the real pretrained SmolLM2-135M-Instruct, prompted through its ChatML chat template), on
+CPU in fp32, one after the other in this process: the same training prompts in the same order (the
+kit's own per-iteration draw), the same reward (the profile's task scorer: for ``smol`` 1 for the
+right value after ``####``, 0.5 for the right value without it, 0.1 for the bare ``####`` form),
+group size, batch, LoRA shape, learning rate, KL coefficient, clip epsilon, completion budget and
+temperature 1.0, all taken from the profile unless a flag overrides them. The kit runs with its
+defaults (vLLM engine, pipelined, the profile's stop strings).
+
+TRL's side is TRL as a user gets it: conversational prompts rendered by its own chat-template code
+(checked to give the kit's prompt token ids), generation until EOS or the completion budget (its
+transformers generation has no stop strings; the reward function reads the text up to the first of
+the profile's stop strings, so both sides are scored by the same function of what was sampled).
 
 Both are evaluated greedily on the same held-out problems after the same optimizer steps (every
 ``--eval-every`` steps and at the end), by the same evaluator: the kit's ``HFEngine`` (transformers,
@@ -48,12 +57,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_kit import config, data, loop, tasks
-from grpo_kit.reward import gsm8k_reward
 
 TARGET_MARGIN = 0.02
 """The target is min(final accuracies) minus this."""
 QUICK = {"steps": 4, "prompts_per_step": 4, "eval_every": 2, "eval_size": 32, "repeats": 1}
 """What ``--quick`` sets (a smoke run of a few minutes)."""
+PROFILES = ("tiny", "smol")
+"""The profiles the bench runs on: the kit's tiny model, and the real pretrained chat model."""
+PROMPTS_PER_STEP = {"tiny": 8}
+"""Bench defaults that differ from the profile: half the tiny profile's 16 prompts per step keeps the
+tiny bench within ~15 minutes on 2 cores."""
 
 
 @dataclass
@@ -82,13 +95,18 @@ class SideResult:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    tiny = config.profile("tiny")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--profile", choices=PROFILES, default="tiny")
+    name = pre.parse_known_args(argv)[0].profile
+    tiny = config.profile(name)  # every default below is the chosen profile's
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    ap.add_argument("--profile", choices=PROFILES, default="tiny",
+                    help="tiny: the kit's own model; smol: SmolLM2-135M-Instruct with its chat template")
     ap.add_argument("--steps", type=int, default=tiny.run.iterations, help="optimizer steps (kit iterations) for both")
-    # half the tiny profile's 16 prompts per step keeps the whole bench within ~15 minutes on 2 cores
-    ap.add_argument("--prompts-per-step", type=int, default=8, help="prompts (groups) per step")
+    ap.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP.get(name, tiny.sampling.prompts_per_step),
+                    help="prompts (groups) per step")
     ap.add_argument("--group-size", type=int, default=tiny.sampling.group_size, help="completions per prompt")
     ap.add_argument(
         "--eval-every", type=int, default=tiny.run.eval_every, help="evaluate every k steps (and after the last)"
@@ -101,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-r", type=int, default=tiny.lora.lora_r)
     ap.add_argument("--lora-alpha", type=int, default=tiny.lora.lora_alpha)
     ap.add_argument("--seed", type=int, default=tiny.run.seed)
-    ap.add_argument("--out", default="runs/bench-vs-trl", help="run directory (kit/ and trl/ under it; replaced)")
+    ap.add_argument("--out", default="runs/bench-vs-trl" + ("" if name == "tiny" else f"-{name}"),
+                    help="run directory (kit/ and trl/ under it; replaced)")
     ap.add_argument("--only", choices=("kit", "dynamic", "trl"), help="run one side only (debugging; no ratio)")
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
@@ -128,9 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def kit_config(args: argparse.Namespace) -> config.Config:
-    """The tiny profile with the bench's overrides; both sides read their hyperparameters from it."""
+    """The profile with the bench's overrides; both sides read their hyperparameters from it."""
     return config.profile(
-        "tiny",
+        args.profile,
         iterations=args.steps,
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,
@@ -174,13 +193,20 @@ def checkpoint_steps(cfg: config.Config) -> list[int]:
     return sorted({0, *range(every, total + 1, every), total})
 
 
+def prompt_fmt(cfg: config.Config):
+    """The run's prompt format (chat template, system prompt, the task's instruction), as the loop's."""
+    from grpo_kit.prompts import prompt_format
+
+    return prompt_format(cfg, tasks.for_config(cfg).instruction)
+
+
 def hf_evaluator(cfg: config.Config, store):
-    """The evaluator of both sides: the kit's transformers engine on ``store``'s adapters."""
+    """The evaluator of both sides: the kit's transformers engine on ``store``'s adapters, with the
+    run's prompt format and stop strings."""
     from grpo_kit.models import resolve_model
     from grpo_kit.rollout import HFEngine
 
-    return HFEngine(resolve_model(cfg.model.model), store=store, dtype=cfg.model.dtype,
-                    max_model_len=cfg.model.max_model_len)
+    return HFEngine(resolve_model(cfg.model.model), store=store, **HFEngine.options(cfg, prompt_fmt(cfg)))
 
 
 def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> list[str]:
@@ -217,7 +243,7 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
         "samples once from the base model before it; the cluster start is before it too); TRL at on_train_begin "
         "(model load, LoRA wrap and trainer construction happen before it); both start-ups are reported",
         f"processes and threads: kit uses {cfg.cluster.n_rollout_workers} rollout + {cfg.cluster.world_size} trainer "
-        f"Dask worker(s) with {cfg.cluster.threads_per_worker} torch thread(s) each (tiny defaults); TRL runs in one "
+        f"Dask worker(s) with {cfg.cluster.threads_per_worker} torch thread(s) each (the {cfg.profile} profile's); TRL runs in one "
         f"process with {threads} torch thread(s)",
         f"batching: one optimizer step per batch of {s.batch_size} completions in both (no gradient accumulation; "
         f"TRL per_device_train_batch_size={s.batch_size}, gradient_accumulation_steps=1, generation_batch_size="
@@ -228,6 +254,19 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
             else "both run it as one forward/backward"
         ),
         "TRL computes per-token entropies in every training forward (logged only); the kit does not",
+        *(
+            [f"stops: kit completions end at EOS or at the first of {list(s.stop)} (tokens after it are neither "
+             "sampled nor trained on); TRL's transformers generation has no stop strings, so its completions run "
+             f"to EOS or {s.max_new_tokens} tokens and it trains on the tail too (its reward reads the text before "
+             "the first stop string, the same function of the sample as the kit's)"]
+            if s.stop else []
+        ),
+        *(
+            [f"prompts: {cfg.model.model} through its chat template with system prompt "
+             f"{cfg.prompt.system_prompt!r}; TRL gets conversational rows and renders them itself (checked to give "
+             "the same prompt token ids)"]
+            if cfg.prompt.chat_template != "never" and cfg.model.model != "tiny" else []
+        ),
         "TRL defaults changed to match the kit: lr_scheduler_type=constant (TRL/transformers default: linear "
         "decay), gradient_checkpointing=False (TRL default True), bf16=False, optim=adamw_torch, top_k=0, top_p=1.0",
     ]
@@ -236,11 +275,11 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
 # ----------------------------------------------------------------------------- evaluation and clocks
 
 
-def greedy_acc(engine, problems: list[data.Problem], version: int, max_new_tokens: int) -> float:
-    """Held-out accuracy of adapter ``version`` by the rule of ``grpo_kit.remote.eval_task``."""
-    outs = engine.greedy(problems, version, max_new_tokens=max_new_tokens)
-    correct = [gsm8k_reward(r.text, p.gold).score >= 1.0 for r, p in zip(outs, problems, strict=True)]
-    return sum(correct) / max(1, len(correct))
+def greedy_acc(cfg: config.Config, engine, problems: list[data.Problem], version: int) -> float:
+    """Held-out (strict) accuracy of adapter ``version`` by the rule of ``grpo_kit.remote.eval_task``."""
+    outs = engine.greedy(problems, version, max_new_tokens=cfg.sampling.max_new_tokens)
+    scores = tasks.for_config(cfg).scorer().score_problems(problems, [r.text for r in outs])
+    return sum(sc.correct for sc in scores) / max(1, len(scores))
 
 
 def time_to_target(checkpoints: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
@@ -302,7 +341,7 @@ def run_kit(cfg: config.Config, progress: bool, live_eval: bool = False, name: s
         # (optimizer steps) can end below the iteration count
         final_v = records[-1]["version"]
         versions = sorted({v for v in checkpoint_steps(cfg) if v <= final_v} | {final_v})
-        accs = {v: greedy_acc(engine, heldout, v, cfg.sampling.max_new_tokens) for v in versions}
+        accs = {v: greedy_acc(cfg, engine, heldout, v) for v in versions}
         engine.close()
         eval_s = time.time() - t_eval
     points, wall = kit_checkpoints(records, accs)
@@ -333,6 +372,37 @@ def _mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def trl_inputs(cfg: config.Config, rows: list[data.Problem], tok):
+    """TRL's prompt column for ``rows`` and its reward function.
+
+    With a chat template the rows are conversational (TRL renders them itself; the first few are
+    checked to give the kit's prompt token ids); without one they are the kit's plain prompt text.
+    The reward function takes the row index column and scores, with the run's task scorer, the text
+    before the first of the run's stop strings: the kit's reward of the same sample.
+    """
+    fmt, scorer, stops = prompt_fmt(cfg), tasks.for_config(cfg).scorer(), cfg.sampling.stop
+    if fmt.uses_chat(tok):
+        prompts = [fmt.messages(p.question) for p in rows]
+        for p, msgs in zip(rows[:4], prompts, strict=False):
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+            if list(ids["input_ids"]) != fmt.encode(tok, p.question):
+                raise RuntimeError("TRL's chat-template tokens differ from the kit's prompt tokens")
+    else:
+        prompts = [fmt.render(tok, p.question) for p in rows]
+
+    def completion_text(c) -> str:
+        text = c[-1]["content"] if isinstance(c, list) else c
+        for stop in stops:
+            text = text.split(stop, 1)[0]
+        return text
+
+    def task_reward(completions, row, **_):
+        scores = scorer.score_problems([rows[i] for i in row], [completion_text(c) for c in completions])
+        return [sc.reward for sc in scores]
+
+    return prompts, task_reward
+
+
 def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     """TRL's GRPOTrainer on the kit's prompts."""
     import torch
@@ -356,10 +426,8 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     # Row i*P + j is problem j of kit iteration i; shuffle_dataset=False keeps that order, and TRL's
     # sampler repeats each row num_generations times in a row, as the kit's groups.
     rows = [p for batch in training_prompts(cfg) for p in batch]
-    dataset = Dataset.from_dict({"prompt": [p.prompt for p in rows], "gold": [p.gold for p in rows]})
-
-    def gsm8k(completions, gold, **_):
-        return [gsm8k_reward(c, g).score for c, g in zip(completions, gold, strict=True)]
+    prompts, task_reward = trl_inputs(cfg, rows, AutoTokenizer.from_pretrained(model_path))
+    dataset = Dataset.from_dict({"prompt": prompts, "row": list(range(len(rows)))})
 
     args = GRPOConfig(
         output_dir=str(trl_dir),
@@ -415,7 +483,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
         def on_train_begin(self, args, state, control, **kw):
             self.startup_s = time.time() - t_start
             t = time.perf_counter()
-            self.points.append((0, 0.0, greedy_acc(engine, heldout, 0, s.max_new_tokens)))
+            self.points.append((0, 0.0, greedy_acc(cfg, engine, heldout, 0)))
             self.base_eval_s = time.perf_counter() - t
             self.t0 = time.perf_counter()
 
@@ -426,7 +494,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
             t = time.perf_counter()
             train_s = t - self.t0 - self.eval_s
             store.publish(model, step)
-            self.points.append((step, train_s, greedy_acc(engine, heldout, step, s.max_new_tokens)))
+            self.points.append((step, train_s, greedy_acc(cfg, engine, heldout, step)))
             self.eval_s += time.perf_counter() - t
 
         def on_train_end(self, args, state, control, **kw):
@@ -435,7 +503,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     cb = GreedyEval()
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=gsm8k,
+        reward_funcs=task_reward,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -682,7 +750,7 @@ def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: i
 
         final_v = kit.checkpoints[-1][0]
         eng = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
-        cross["kit_final_acc_hf"] = greedy_acc(eng, heldout_problems(cfg), final_v, cfg.sampling.max_new_tokens)
+        cross["kit_final_acc_hf"] = greedy_acc(cfg, eng, heldout_problems(cfg), final_v)
         eng.close()
     result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval, dyn)
     result["kit_first"] = kit_first

@@ -134,3 +134,49 @@ def test_repeats_report_medians_and_every_value(vs_trl):
     reps[1] = {**reps[1], "kit_time_to_target_s": None, "time_ratio": None}
     assert vs_trl.summarize(reps)["time_ratio"] is None
     assert vs_trl.parse_args([]).repeats == 3 and vs_trl.parse_args(["--quick"]).repeats == 1
+
+
+def test_smol_profile_defaults(vs_trl):
+    args = vs_trl.parse_args(["--profile", "smol"])
+    cfg = vs_trl.kit_config(args)
+    smol = config.profile("smol")
+    assert cfg.model.model == "smollm2-135m" and cfg.prompt.system_prompt == smol.prompt.system_prompt
+    assert (cfg.sampling.prompts_per_step, cfg.sampling.group_size) == (4, 8)  # the profile's, not tiny's 8 x 6
+    assert (cfg.optim.lr, cfg.lora.lora_r, cfg.sampling.stop) == (smol.optim.lr, 16, ("\n\n",))
+    assert cfg.run.run_dir.endswith("bench-vs-trl-smol/kit")
+    assert any("stops:" in d for d in vs_trl.differences(cfg, threads=2))
+
+
+def test_trl_sees_the_kits_chat_prompts_and_reward(vs_trl):
+    """TRL's conversational rows render to the kit's prompt tokens, and its reward function gives the
+    kit's reward of the same sample (the text before the stop string, with the lenient credit)."""
+    from transformers import AutoTokenizer
+
+    from grpo_kit import models, tasks
+
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--profile", "smol", "--steps", "2"]))
+    rows = [p for batch in vs_trl.training_prompts(cfg) for p in batch]
+    tok = AutoTokenizer.from_pretrained(models.resolve_model("smollm2-135m"))
+    prompts, reward = vs_trl.trl_inputs(cfg, rows, tok)
+    assert isinstance(prompts[0], list) and prompts[0][0]["role"] == "system"
+    assert "<|im_start|>assistant" in tok.apply_chat_template(prompts[0], add_generation_prompt=True, tokenize=False)
+    gold = rows[0].gold
+    texts = [f"1 + 1 = {gold}\n#### {gold}", f"1 + 1 = {gold}\n\n#### {gold}", f"#### {int(gold) + 1}"]
+    got = reward([[{"role": "assistant", "content": t}] for t in texts], row=[0, 0, 0])
+    kit = tasks.for_config(cfg).scorer().score_problems([rows[0]] * 3, [t.split("\n\n")[0] for t in texts])
+    assert got == [sc.reward for sc in kit]
+    assert got[0] == pytest.approx(1.0 + cfg.reward.format_bonus)  # right after ####, with the format bonus
+    assert got[1] < got[0] and got[1] == pytest.approx(cfg.reward.lenient_credit)  # the marker was past the stop
+    assert got[2] == pytest.approx(cfg.reward.format_bonus)  # wrong value, marked
+
+
+def test_tiny_prompts_are_the_kits_plain_text(vs_trl):
+    from transformers import AutoTokenizer
+
+    from grpo_kit import models
+
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--steps", "1"]))
+    rows = vs_trl.training_prompts(cfg)[0]
+    prompts, reward = vs_trl.trl_inputs(cfg, rows, AutoTokenizer.from_pretrained(models.resolve_model("tiny")))
+    assert prompts == [p.prompt for p in rows]
+    assert reward([f"#### {rows[1].gold}", "#### x"], row=[1, 1]) == [1.0, 0.0]
