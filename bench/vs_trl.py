@@ -14,8 +14,9 @@ defaults (vLLM engine, pipelined, the profile's stop strings).
 
 TRL's side is TRL as a user gets it: conversational prompts rendered by its own chat-template code
 (checked to give the kit's prompt token ids), generation until EOS or the completion budget (its
-transformers generation has no stop strings; the reward function reads the text up to the first of
-the profile's stop strings, so both sides are scored by the same function of what was sampled).
+transformers path does not pass ``generate`` the tokenizer that ``stop_strings`` need; the reward
+function reads the text up to the first of the profile's stop strings, so both sides are scored by
+the same function of what was sampled).
 
 Both are evaluated greedily on the same held-out problems after the same optimizer steps (every
 ``--eval-every`` steps and at the end), by the same evaluator: the kit's ``HFEngine`` (transformers,
@@ -98,27 +99,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--profile", choices=PROFILES, default="tiny")
     name = pre.parse_known_args(argv)[0].profile
-    tiny = config.profile(name)  # every default below is the chosen profile's
+    prof = config.profile(name)  # every default below is the chosen profile's
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--profile", choices=PROFILES, default="tiny",
                     help="tiny: the kit's own model; smol: SmolLM2-135M-Instruct with its chat template")
-    ap.add_argument("--steps", type=int, default=tiny.run.iterations, help="optimizer steps (kit iterations) for both")
-    ap.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP.get(name, tiny.sampling.prompts_per_step),
+    ap.add_argument("--steps", type=int, default=prof.run.iterations, help="optimizer steps (kit iterations) for both")
+    ap.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP.get(name, prof.sampling.prompts_per_step),
                     help="prompts (groups) per step")
-    ap.add_argument("--group-size", type=int, default=tiny.sampling.group_size, help="completions per prompt")
+    ap.add_argument("--group-size", type=int, default=prof.sampling.group_size, help="completions per prompt")
     ap.add_argument(
-        "--eval-every", type=int, default=tiny.run.eval_every, help="evaluate every k steps (and after the last)"
+        "--eval-every", type=int, default=prof.run.eval_every, help="evaluate every k steps (and after the last)"
     )
-    ap.add_argument("--eval-size", type=int, default=tiny.data.eval_size, help="held-out problems")
-    ap.add_argument("--max-new-tokens", type=int, default=tiny.sampling.max_new_tokens)
-    ap.add_argument("--lr", type=float, default=tiny.optim.lr)
-    ap.add_argument("--kl-beta", type=float, default=tiny.loss.kl_beta)
-    ap.add_argument("--clip-eps", type=float, default=tiny.loss.clip_eps)
-    ap.add_argument("--lora-r", type=int, default=tiny.lora.lora_r)
-    ap.add_argument("--lora-alpha", type=int, default=tiny.lora.lora_alpha)
-    ap.add_argument("--seed", type=int, default=tiny.run.seed)
+    ap.add_argument("--eval-size", type=int, default=prof.data.eval_size, help="held-out problems")
+    ap.add_argument("--max-new-tokens", type=int, default=prof.sampling.max_new_tokens)
+    ap.add_argument("--lr", type=float, default=prof.optim.lr)
+    ap.add_argument("--kl-beta", type=float, default=prof.loss.kl_beta)
+    ap.add_argument("--clip-eps", type=float, default=prof.loss.clip_eps)
+    ap.add_argument("--lora-r", type=int, default=prof.lora.lora_r)
+    ap.add_argument("--lora-alpha", type=int, default=prof.lora.lora_alpha)
+    ap.add_argument("--seed", type=int, default=prof.run.seed)
     ap.add_argument("--out", default="runs/bench-vs-trl" + ("" if name == "tiny" else f"-{name}"),
                     help="run directory (kit/ and trl/ under it; replaced)")
     ap.add_argument("--only", choices=("kit", "dynamic", "trl"), help="run one side only (debugging; no ratio)")
@@ -126,16 +127,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ap.add_argument("--engine", choices=("vllm", "hf"), default=tiny.sampling.engine,
+    ap.add_argument("--engine", choices=("vllm", "hf"), default=prof.sampling.engine,
                     help="the kit's rollout engine (default: the kit's default, vllm)")
-    ap.add_argument("--lora-mode", choices=("auto", "request", "merged"), default=tiny.sampling.lora_mode,
+    ap.add_argument("--lora-mode", choices=("auto", "request", "merged"), default=prof.sampling.lora_mode,
                     help="the kit's vLLM LoRA mode (default: the kit's default, auto)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="run both sides this many times, alternating which goes first; headline figures are medians")
     ap.add_argument("--live-eval", action="store_true",
                     help="the kit evaluates inside its loop, on its rollout worker and on its clock")
     ap.add_argument("--no-dynamic", action="store_true", help="leave out the kit run with dynamic sampling")
-    ap.add_argument("--max-gen-batches", type=int, default=tiny.sampling.max_gen_batches,
+    ap.add_argument("--max-gen-batches", type=int, default=prof.sampling.max_gen_batches,
                     help="the dynamic run's generation rounds per step at most")
     args = ap.parse_args(argv)
     if args.quick:
