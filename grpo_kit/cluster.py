@@ -242,16 +242,19 @@ class ThreadsPlugin(WorkerPlugin):
             torch.set_num_threads(int(threads))
 
 
+def worker_resources(client: Client) -> dict[str, dict[str, float]]:
+    """Every worker's address and the resources it advertises, asked of the scheduler itself.
+
+    Not ``client.scheduler_info()``: that returns the client's cached identity, which the client's
+    own periodic refresh (``distributed.client.scheduler-info-interval``) overwrites with one that
+    lists no workers, so a call racing the refresh can read an empty cluster."""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: {a: dict(ws.resources) for a, ws in dask_scheduler.workers.items()})
+
+
 def workers_with(client: Client, resource: str) -> list[str]:
     """Addresses of the workers that advertise ``resource``, sorted."""
-    info = client.scheduler_info(n_workers=-1)["workers"] if _accepts_n_workers(client) else client.scheduler_info()["workers"]
-    return sorted(a for a, w in info.items() if w.get("resources", {}).get(resource))
-
-
-def _accepts_n_workers(client: Client) -> bool:
-    import inspect
-
-    return "n_workers" in inspect.signature(client.scheduler_info).parameters
+    return sorted(a for a, res in worker_resources(client).items() if res.get(resource))
 
 
 def shutdown(client: Client) -> None:

@@ -11,6 +11,7 @@ import logging
 
 import pytest
 
+from grpo_kit import cluster as cl
 from grpo_kit import logs
 
 
@@ -81,7 +82,7 @@ def test_worker_output_goes_to_a_file_and_errors_to_the_kernel(tmp_path, capfd):
         capfd.readouterr()
         directory = logs.route_worker_logs(client, tmp_path / "logs")
         assert "worker logs" in capfd.readouterr().out  # the one line that says where they go
-        [worker] = client.scheduler_info()["workers"]
+        [worker] = cl.worker_resources(client)
         assert client.run(_worker_noise, workers=[worker])[worker] == "done"
         text = (directory / "rollout-0.log").read_text()
         for line in (

@@ -194,7 +194,7 @@ def test_loop_on_separately_started_workers(tmp_path, s3, tls):
                 if HIDE:  # the worker never saw the driver's files, and left nothing there
                     assert v["driver_dir"] == [], v
             if tls:
-                assert all(a.startswith("tls://127.0.0.1:") for a in client.scheduler_info()["workers"])
+                assert (addrs := cl.worker_resources(client)) and all(a.startswith("tls://127.0.0.1:") for a in addrs)
                 info = client.scheduler_info()
                 assert info["address"].startswith("tls://127.0.0.1:")
             assert client.dashboard_link and "127.0.0.1" in client.dashboard_link

@@ -95,8 +95,8 @@ def test_workers_are_slurm_jobs_of_two_kinds(client):
     running = {line.split()[1]: line.split()[0] for line in queue.splitlines() if line.endswith("RUNNING")}
     assert running.get("grpo-rollout-0") == jobs["rollout-0"] and running.get("grpo-trainer-0") == jobs["trainer-0"]
     assert cl.workers_with(client, cl.ROLLOUT) and cl.workers_with(client, cl.TRAINER)
-    addrs = client.scheduler_info()["workers"]
-    assert all(a.startswith("tcp://127.0.0.1:") for a in addrs) and client.scheduler.address.startswith("tcp://127.0.0.1:")
+    addrs = cl.worker_resources(client)
+    assert addrs and all(a.startswith("tcp://127.0.0.1:") for a in addrs) and client.scheduler.address.startswith("tcp://127.0.0.1:")
     daemon = client.run(lambda: __import__("multiprocessing").current_process().daemon)
     assert not any(daemon.values())  # engines and process groups may start child processes
 

@@ -49,7 +49,7 @@ def _profiler_state(dask_worker):
 def test_workers_run_without_the_task_profiler():
     client = cl.connect(n_rollout_workers=1, n_trainer_workers=1, quiet=True)
     try:
-        client.gather([client.submit(_busy, 2.5, workers=[w], pure=False) for w in client.scheduler_info()["workers"]])
+        client.gather([client.submit(_busy, 2.5, workers=[w], pure=False) for w in cl.worker_resources(client)])
         state = client.run(_profiler_state)
         assert list(state.values()) == [(False, 0), (False, 0)]  # no sampling, no call-tree history
     finally:
