@@ -187,6 +187,20 @@ def status_bar(page) -> str:
     return item.text_content(timeout=5000) or ""
 
 
+def settled_status(page, base: str, token: str, timeout_s: float = 30.0) -> dict:
+    """The status bar's text and the server's kernel states once both read idle twice in a row, 0.5 s
+    apart (else the last reading, at ``timeout_s``). After the last cell the kernel is still briefly
+    busy now and then: each widget comm message the page sends (the FigureWidgets' views report their
+    layout as they render) is kernel work, so a single reading can fall inside one."""
+    deadline, calm = time.time() + timeout_s, 0
+    while True:
+        final = {"bar": status_bar(page), "server": kernel_states(base, token)}
+        calm = calm + 1 if final["bar"].endswith("| Idle") and final["server"] == ["idle"] else 0
+        if calm >= 2 or time.time() > deadline:
+            return final
+        time.sleep(0.5)
+
+
 def open_notebook(browser, base: str, token: str, name: str, sent: list | None = None):
     """A page with the notebook open and its kernel idle; console errors collect in ``page.errors``, and
     the websocket frames the page sends in ``sent`` if given."""
@@ -274,7 +288,6 @@ def quickstart_run(lab, browser):
         assert time.time() - t0 < RUN_TIMEOUT_S, f"the notebook did not finish in {RUN_TIMEOUT_S} s: {prompts}"
         time.sleep(1.0)
     page.locator(".jp-StatusBar-TextItem", has_text="| Idle").first.wait_for(timeout=60_000)
-    final = {"bar": status_bar(page), "server": kernel_states(base, token)}
     # the last cells' widget updates (live.show with the final evaluation) may still be on their way
     final_eval = "(gd.data || []).some(t => t.name === 'held-out accuracy' && (t.x || []).length >= 2)"
     try:
@@ -283,6 +296,7 @@ def quickstart_run(lab, browser):
         )
     except Exception:  # noqa: BLE001 - a timeout is reported by test_figures_render_and_update_mid_run
         pass
+    final = settled_status(page, base, token)
     page.locator(f"{PANEL} .jp-CodeCell").nth(train).scroll_into_view_if_needed()
     time.sleep(0.5)
     page.screenshot(path=str(SHOTS / "quickstart-end.png"))
