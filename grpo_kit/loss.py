@@ -48,7 +48,9 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
 
     ``scale`` picks the std: the group's (``"group"``), the whole batch's (``"batch"``), or none
     (``"none"``, no division). Stds are unbiased (``correction=1``), as in TRL. A group whose rewards
-    are all equal gets advantage 0 everywhere.
+    are all equal gets advantage exactly 0 everywhere, whatever the scale: its float mean need not
+    equal its rewards (the mean of six 0.1s is not 0.1), and a residue of 1e-13 would count as an
+    advantage where the trainer skips rows with none.
 
     >>> group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none")
     tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
@@ -72,7 +74,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     elif scale == "batch":
         std = r.std() if r.numel() > 1 else r.new_zeros(())
         centered = centered / (std + eps)
-    return centered.reshape(-1)  # (N,)
+    flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # (G, 1) no reward spread
+    return torch.where(flat, 0.0, centered).reshape(-1)  # (N,)
 
 
 @dataclass(frozen=True)
