@@ -319,7 +319,9 @@ def test_no_tokens_no_nan(loss_type):
     )
     assert loss.item() == 0.0
     assert torch.autograd.grad(loss, logp)[0].abs().sum().item() == 0.0
-    assert stats.summary()["tokens"] == 0
+    # nothing measured: None, never NaN (a record holding NaN is not JSON); the ratios' extremes too
+    assert stats.summary() == {k: None for k in LossStats.SUMMARY_KEYS} | {"tokens": 0.0}
+    assert (stats + LossStats.empty(is_weight=True)).summary()["is_mean"] is None
     empty, _ = grpo_loss(
         *(torch.zeros(0, 0, dtype=f64),) * 3, torch.zeros(0, dtype=f64), torch.zeros(0, 0), loss_type=loss_type
     )
