@@ -58,8 +58,8 @@ def one_run(client, k: int, correction: str, args, root: str) -> dict:
         "iterations_to_target": hit[0] + 1 if hit else None,
         "grpo_wall_s": res.summary["grpo_wall_s"],
         "ratio_std": _mean([r["ratio_std"] for r in recs]),
-        "ratio_min": min(r["ratio_min"] for r in recs),
-        "ratio_max": max(r["ratio_max"] for r in recs),
+        "ratio_min": min((r["ratio_min"] for r in recs if r["ratio_min"] is not None), default=None),  # None: nothing trained
+        "ratio_max": max((r["ratio_max"] for r in recs if r["ratio_max"] is not None), default=None),  # None: nothing trained
         "clip_frac": _mean([r["clip_frac"] for r in recs]),
         "is_capped_frac": _mean([r["is_capped_frac"] for r in recs]),
         "staleness_mean": _mean([r["staleness_max"] for r in recs]),

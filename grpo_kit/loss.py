@@ -48,7 +48,9 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
 
     ``scale`` picks the std: the group's (``"group"``), the whole batch's (``"batch"``), or none
     (``"none"``, no division). Stds are unbiased (``correction=1``), as in TRL. A group whose rewards
-    are all equal gets advantage 0 everywhere.
+    are all equal gets advantage exactly 0 everywhere, whatever the scale: its float mean need not
+    equal its rewards (the mean of six 0.1s is not 0.1), and a residue of 1e-13 would count as an
+    advantage where the trainer skips rows with none.
 
     >>> group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none")
     tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
@@ -72,7 +74,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     elif scale == "batch":
         std = r.std() if r.numel() > 1 else r.new_zeros(())
         centered = centered / (std + eps)
-    return centered.reshape(-1)  # (N,)
+    flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # (G, 1) no reward spread
+    return torch.where(flat, 0.0, centered).reshape(-1)  # (N,)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class LossStats:
     SUMS = ("tokens", "ratio_sum", "ratio_sqsum", "clip_low_count", "clip_high_count", "kl_sum", "is_sum",
             "is_capped_count")
     MAXES = ("ratio_min", "ratio_max", "is_min", "is_max")  # the *_min ones travel negated
+    SUMMARY_KEYS = ("ratio_mean", "ratio_std", "ratio_min", "ratio_max", "clip_low", "clip_high", "clip_frac", "kl",
+                    "is_mean", "is_min", "is_max", "is_capped_frac", "tokens")
+    """The keys of :meth:`summary`."""
 
     @classmethod
     def empty(cls, device: torch.device | str | None = None, kl: bool = True, is_weight: bool = False) -> LossStats:
@@ -152,32 +158,35 @@ class LossStats:
         return cls(**dict(zip(cls.SUMS, sums.unbind(), strict=True)), ratio_min=-maxes[0], ratio_max=maxes[1],
                    is_min=-maxes[2], is_max=maxes[3])
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | None]:
         """Means over tokens: ratio mean/std/min/max, clip fractions (low/high/total), KL mean, the
-        engine-mismatch weight's mean/min/max and capped share, token count. NaN where there are no
-        tokens (or, for ``kl``, no reference); the ``is_*`` values are None when no weight was applied."""
+        engine-mismatch weight's mean/min/max and capped share, token count. None where there are no
+        tokens (a step that trained nothing measured nothing, and None stays valid JSON where NaN does
+        not); ``kl`` is NaN when tokens were trained without a reference; the ``is_*`` values are None
+        when no weight was applied."""
         names = [f.name for f in fields(self)]
         v = dict(zip(names, torch.stack([getattr(self, k) for k in names]).tolist(), strict=True))  # one sync
         n = v["tokens"]
-        div = (lambda x: x / n) if n > 0 else (lambda x: float("nan"))
-        mean = div(v["ratio_sum"])
+        if n <= 0:
+            return {k: None for k in self.SUMMARY_KEYS} | {"tokens": n}
+        mean = v["ratio_sum"] / n
         return {
             "ratio_mean": mean,
-            "ratio_std": max(div(v["ratio_sqsum"]) - mean * mean, 0.0) ** 0.5 if n > 0 else float("nan"),
-            "ratio_min": v["ratio_min"] if n > 0 else float("nan"),
-            "ratio_max": v["ratio_max"] if n > 0 else float("nan"),
-            "clip_low": div(v["clip_low_count"]),
-            "clip_high": div(v["clip_high_count"]),
-            "clip_frac": div(v["clip_low_count"] + v["clip_high_count"]),
-            "kl": div(v["kl_sum"]),
+            "ratio_std": max(v["ratio_sqsum"] / n - mean * mean, 0.0) ** 0.5,
+            "ratio_min": v["ratio_min"],
+            "ratio_max": v["ratio_max"],
+            "clip_low": v["clip_low_count"] / n,
+            "clip_high": v["clip_high_count"] / n,
+            "clip_frac": (v["clip_low_count"] + v["clip_high_count"]) / n,
+            "kl": v["kl_sum"] / n,
             **(
                 {"is_mean": None, "is_min": None, "is_max": None, "is_capped_frac": None}
                 if math.isnan(v["is_sum"])  # no engine-mismatch weight in this loss
                 else {
-                    "is_mean": div(v["is_sum"]),
-                    "is_min": v["is_min"] if n > 0 else float("nan"),
-                    "is_max": v["is_max"] if n > 0 else float("nan"),
-                    "is_capped_frac": div(v["is_capped_count"]),
+                    "is_mean": v["is_sum"] / n,
+                    "is_min": v["is_min"],
+                    "is_max": v["is_max"],
+                    "is_capped_frac": v["is_capped_count"] / n,
                 }
             ),
             "tokens": n,

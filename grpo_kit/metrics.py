@@ -19,6 +19,7 @@ from .config import Config
 from .records import MetricsRecord
 from .rollout import RolloutSummary
 from .sampling import Group, usable_cost, usable_samples
+from .series import series
 
 
 @dataclass
@@ -105,18 +106,19 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
             "eval_lenient_acc": None,
             "base_acc": base_acc,
             "loss": stats.get("loss"),
-            "ratio_mean": stats.get("ratio_mean"),
-            "ratio_std": stats.get("ratio_std"),
-            "ratio_min": stats.get("ratio_min"),
-            "ratio_max": stats.get("ratio_max"),
-            "clip_frac_low": stats.get("clip_low"),
-            "clip_frac_high": stats.get("clip_high"),
-            "clip_frac": stats.get("clip_frac"),
+            # None, never NaN, where the step trained no token (no group with reward spread, kl_beta=0)
+            "ratio_mean": finite(stats.get("ratio_mean")),
+            "ratio_std": finite(stats.get("ratio_std")),
+            "ratio_min": finite(stats.get("ratio_min")),
+            "ratio_max": finite(stats.get("ratio_max")),
+            "clip_frac_low": finite(stats.get("clip_low")),
+            "clip_frac_high": finite(stats.get("clip_high")),
+            "clip_frac": finite(stats.get("clip_frac")),
             "kl_mean": finite(stats.get("kl")),
-            "is_mean": stats.get("is_mean"),
-            "is_min": stats.get("is_min"),
-            "is_max": stats.get("is_max"),
-            "is_capped_frac": stats.get("is_capped_frac"),
+            "is_mean": finite(stats.get("is_mean")),
+            "is_min": finite(stats.get("is_min")),
+            "is_max": finite(stats.get("is_max")),
+            "is_capped_frac": finite(stats.get("is_capped_frac")),
             "grad_norm": stats.get("grad_norm"),
             "tokens": stats.get("tokens"),
             "samples_nonzero_adv": stats.get("samples_nonzero_adv"),
@@ -172,9 +174,11 @@ def finite(x):
 def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, startup_s: float | None,
                 warm_up_s: dict, preflight: dict | None) -> dict:
     """A finished run's ``summary.json``: accuracy before and after (the final version's evaluation),
-    means over the trained iterations, and where the time went before the first one."""
+    means over the iterations that measured them (a step that trained no token measured no ratio;
+    a record written by an older kit may hold NaN there), and where the time went before the first
+    one. Valid JSON: None, never NaN, where nothing was measured."""
     final_version = state["version"]
-    recs = [r for r in records if r.get("ratio_mean") is not None]
+    ratios, clips, kls = (series(records, k)[1] for k in ("ratio_mean", "clip_frac", "kl_mean"))
     evs = [e for e in state["evals"] if e["version"] == final_version]
     return {
         "acc_before": state["base_acc"],
@@ -184,9 +188,9 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
         "grpo_wall_s": state["grpo_wall_s"],
         "iterations": state["next_iteration"],
         "final_version": final_version,
-        "ratio_mean": sum(r["ratio_mean"] for r in recs) / len(recs) if recs else None,
-        "clip_fraction": sum(r.get("clip_frac") or 0.0 for r in recs) / len(recs) if recs else None,
-        "kl_final": recs[-1]["kl_mean"] if recs else None,
+        "ratio_mean": sum(ratios) / len(ratios) if ratios else None,
+        "clip_fraction": sum(clips) / len(clips) if clips else None,
+        "kl_final": kls[-1] if kls else None,
         "rejected_groups": sum(r.get("rejected_groups") or 0 for r in records),  # recovered records lack it
         "truncated": sum(r.get("truncated") or 0 for r in records),
         "recovered_records": sum(bool(r.get("recovered")) for r in records),

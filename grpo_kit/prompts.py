@@ -96,7 +96,9 @@ def cut_completion(tokenizer, ids: Sequence[int], finish_reason: str, stop: Sequ
     """Apply the stop strings to a completion that ended by EOS (``"stop"``, EOS last) or length.
 
     The earliest stop string in the decoded text wins; the kept tokens are the shortest prefix whose
-    text contains it (found by bisection over prefix decodes, which grow monotonically).
+    text contains it (found by bisection over prefix decodes, which grow monotonically). Containment,
+    not length: a prefix that ends inside a multi-byte character decodes to U+FFFD, as long as the
+    character it has not finished.
     """
     ids = list(ids)
     body = ids[:-1] if finish_reason == "stop" else ids
@@ -105,11 +107,10 @@ def cut_completion(tokenizer, ids: Sequence[int], finish_reason: str, stop: Sequ
     if not hits:
         return Cut(len(ids), finish_reason, None, text)
     at, s = min(hits)
-    need = at + len(s)
-    lo, hi = 1, len(body)  # smallest k with len(decode(body[:k])) >= need
+    lo, hi = 1, len(body)  # smallest k with s in decode(body[:k])
     while lo < hi:
         mid = (lo + hi) // 2
-        if len(tokenizer.decode(body[:mid], skip_special_tokens=True)) >= need:
+        if s in tokenizer.decode(body[:mid], skip_special_tokens=True):
             hi = mid
         else:
             lo = mid + 1

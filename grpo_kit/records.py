@@ -117,7 +117,8 @@ class MetricsRecord(TypedDict, total=False):
     """Every evaluation that finished during this iteration (the base model's included)."""
     base_acc: float | None
     """The base model's held-out accuracy (strict), once measured."""
-    # the trainer's statistics (loss.py / train_step.py)
+    # the trainer's statistics (loss.py / train_step.py); the means are None, never NaN, for a step
+    # that trained no token (no group with reward spread and kl_beta=0)
     loss: float | None
     """The step's loss."""
     ratio_mean: float | None

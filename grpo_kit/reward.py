@@ -16,10 +16,12 @@ and value. *Lenient* correctness (:attr:`RewardResult.lenient_correct`) accepts 
 always computed; the score uses the lenient rules only with ``lenient=True``. A marker followed by
 no number is a failed answer either way (lenient never overrides a marker).
 
-Signs (``-``, ``+``, the Unicode minus) and decimals are kept; commas are ignored; answers compare
-as numbers, so ``18.00`` equals ``18`` and ``1,000`` equals ``1000``. Numbers glued to an
-exponent, a fraction bar, a power or a second decimal point (``1e3``, ``3/4``, ``2^10``,
-``1.2.3``) are rejected rather than read as their first digits, so they cannot score by accident.
+Signs (``-``, ``+``, the Unicode minus) and decimals are kept; commas are read only as thousands
+separators (``1,234``, ``12,345,678``); answers compare as numbers, so ``18.00`` equals ``18`` and
+``1,000`` equals ``1000``. Numbers glued to an exponent, a fraction bar, a power, a second decimal
+point or a comma that separates no thousands (``1e3``, ``3/4``, ``2^10``, ``1.2.3``, ``1,2,3``,
+``12,34``, ``0,5``) are rejected rather than read as their first digits or their digits run
+together, so they cannot score by accident.
 Any string, however malformed or long, gives a :class:`RewardResult` with a reason, never an
 exception: texts over ``max_chars`` are rejected before any scan, and every pattern here is linear
 in the text length. Caller bugs (a non-string completion, an unparseable gold) still raise.
@@ -47,19 +49,22 @@ MAX_CHARS = 100_000
 """Longest completion parsed (~25k tokens). Longer ones are rejected unread: a 10 MB degenerate
 rollout costs one ``len()``, not a scan."""
 
-# One number: an optional sign and/or dollar in either order, digits with commas anywhere, an optional
-# decimal part. No nested or adjacent unbounded quantifiers, so a failed match cannot backtrack.
-_NUMBER = (
-    r"(?:(?P<sign>[-+\u2212])(?:\$ ?)?|\$ ?(?P<sign2>[-+\u2212])?)?"  # -, -$, $, $- or nothing; "$ 5" too
-    r"(?P<digits>[0-9][0-9,]*(?:\.[0-9]+)?|\.[0-9]+)"
-)
+# One number: an optional sign and/or dollar in either order, digits (grouped in thousands by commas,
+# or not at all), an optional decimal part. No nested or adjacent unbounded quantifiers, so a failed
+# match cannot backtrack (the grouped form gives up after at most 3 digits).
+_SIGN = r"(?:(?P<sign>[-+\u2212])(?:\$ ?)?|\$ ?(?P<sign2>[-+\u2212])?)?"  # -, -$, $, $- or nothing; "$ 5" too
+_NUMBER = _SIGN + r"(?P<digits>(?:[1-9][0-9]{0,2}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
 _NUMBER_RE = re.compile(_NUMBER)
 # The lenient fallback scans for whole numbers only: never start inside a word, a number or a fraction.
 _FREE_NUMBER_RE = re.compile(r"(?<![\w.,/^])" + _NUMBER)
 # What may not follow a number: an exponent, digits glued to letters (0x1F, 12km2) or non-ASCII digits,
-# a fraction bar, a power, a second decimal point. Matched on a short window, so it is O(1) per number.
-_BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^]\s*[0-9]|\^|\.[0-9]")
+# a fraction bar, a power, a second decimal point, a comma glued to a digit (1,2,3, 0,5, 1,234,5: not
+# thousands). Matched on a short window, so it is O(1) per number.
+_BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^]\s*[0-9]|\^|\.[0-9]|,[0-9]")
 _TAIL_WINDOW = 32
+# A number's digit run with commas in it, and the same run when its commas separate thousands.
+_COMMA_RUN_RE = re.compile(_SIGN + r"(?P<run>[0-9]+(?:,[0-9]+)+)")
+_THOUSANDS_RE = re.compile(r"[1-9][0-9]{0,2}(?:,[0-9]{3})+")
 # Markdown emphasis / code marks a chat model puts around its answer: "#### **18**", "#### `18`".
 _MARKUP_RE = re.compile(r"[*_`]{1,3}\s*")
 _BOXED = "\\boxed{"
@@ -123,6 +128,18 @@ def _parse(text: str, marker: str, lenient: bool) -> tuple[float | None, str]:
     if not _well_ended(text, m.end()):
         return None, f"no {marker!r} answer; malformed last number {text[m.start() : m.end() + 8]!r}"
     return _to_float(m), "last"
+
+
+def stray_commas(answer: str) -> bool:
+    """Whether ``answer`` starts with a number whose commas are not thousands separators, which the
+    marker rule rejects: for other readers of the ``####`` line (math-verify reads ``1,2345`` as
+    1234 and ``1,2,3`` as 1.2).
+
+    >>> [stray_commas(s) for s in ("1,2,3", "12,34", "0,5", "1,2345", "1,234", "-$12,345.5", "(1,2)", "1, 2")]
+    [True, True, True, True, False, False, False, False]
+    """
+    m = _COMMA_RUN_RE.match(answer.strip())
+    return m is not None and _THOUSANDS_RE.fullmatch(m["run"]) is None
 
 
 def _check_text(text: object, marker: str) -> None:

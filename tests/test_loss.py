@@ -29,6 +29,38 @@ def test_group_advantages_integer_rewards_become_float():
     assert adv.tolist() == [0.5, -0.5, 0.0, 0.0]
 
 
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("value", [0.1, 1.1, 0.3, 0.7])
+def test_group_advantages_zero_spread_is_exactly_zero(scale, dtype, value):
+    """A group of formatted but wrong answers under format_bonus=0.1 scores [0.1] * 6; its float mean
+    is not exactly 0.1, so r - mean left ~1e-13 (float64; ~3e-4 after the group std in float32 for
+    0.3), which the trainer's zero-advantage skip and ``samples_nonzero_adv`` counted as signal."""
+    rewards = torch.tensor([value] * 6 + [1.1, 0.1, 0.1, 1.1, 0.1, 0.1], dtype=dtype)
+    adv = group_advantages(rewards, 6, scale=scale)
+    assert adv[:6].tolist() == [0.0] * 6
+    assert (adv[6:] != 0).all()  # the group with spread keeps its advantages
+    assert int((adv != 0).sum()) == 6
+
+
+def test_group_advantages_zero_where_the_groups_have_no_spread():
+    """``adv != 0`` (the trainer's skip, ``samples_nonzero_adv``) agrees with sampling's has_spread,
+    group by group, and an eps of 0 leaves no NaN in a constant group or batch."""
+    from grpo_kit.sampling import Group
+
+    gen = torch.Generator().manual_seed(0)
+    vals = torch.tensor([0.0, 0.1, 1.1, 1 / 3, 0.7], dtype=f64)
+    rewards = vals[torch.randint(0, len(vals), (40, 4), generator=gen)]  # (40 groups, 4)
+    rewards[::3] = rewards[::3, :1]  # every third group constant
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(rewards.reshape(-1), 4, scale=scale).view(40, 4)
+        spread = [Group(tuple(g.tolist()), 0).has_spread for g in rewards]
+        assert [bool((a != 0).any()) for a in adv] == spread
+        assert 0 < sum(spread) < 40
+    assert group_advantages(torch.full((4,), 0.1, dtype=f64), 2, scale="group", eps=0.0).tolist() == [0.0] * 4
+    assert group_advantages(torch.full((4,), 0.1, dtype=f64), 2, scale="batch", eps=0.0).tolist() == [0.0] * 4
+
 @pytest.mark.parametrize(
     "n, group_size, scale",
     [
@@ -287,7 +319,9 @@ def test_no_tokens_no_nan(loss_type):
     )
     assert loss.item() == 0.0
     assert torch.autograd.grad(loss, logp)[0].abs().sum().item() == 0.0
-    assert stats.summary()["tokens"] == 0
+    # nothing measured: None, never NaN (a record holding NaN is not JSON); the ratios' extremes too
+    assert stats.summary() == {k: None for k in LossStats.SUMMARY_KEYS} | {"tokens": 0.0}
+    assert (stats + LossStats.empty(is_weight=True)).summary()["is_mean"] is None
     empty, _ = grpo_loss(
         *(torch.zeros(0, 0, dtype=f64),) * 3, torch.zeros(0, dtype=f64), torch.zeros(0, 0), loss_type=loss_type
     )

@@ -73,6 +73,34 @@ REJECTED = [
 ]
 
 
+# (completion, gold, whether right): commas on the marker line count only as thousands separators, as in
+# grpo_kit.reward; math-verify alone read "1,2345" as 1234, "1,2,3" as 1.2, "5,000,00" as 5000, "0,5" as 0.5
+COMMAS = [
+    ("#### 1,2345", "1234", False),
+    ("#### 1,2,3", "1.2", False),
+    ("#### 1,2,3", "123", False),
+    ("#### 5,000,00", "5000", False),
+    ("#### 1,234,5", "1234", False),
+    ("#### 1,2", "1.2", False),
+    ("#### 12,34", "12.34", False),
+    ("#### 0,5", "0.5", False),
+    ("#### **1,2345**", "1234", False),
+    ("#### 12,345,678", "12345678", True),
+    ("#### -1,234.5", "-1234.5", True),
+    ("#### $1,000", "1000", True),
+    ("#### **1,234**", "1234", True),
+]
+
+
+def test_marker_commas_are_thousands_separators_only():
+    rs = math_reward(["q"] * len(COMMAS), [c for c, _, _ in COMMAS], [g for _, g, _ in COMMAS], timeout_s=PATIENT_S)
+    got = [(c, g, r.correct, r.score) for (c, g, _), r in zip(COMMAS, rs, strict=True)]
+    assert got == [(c, g, ok, float(ok)) for c, g, ok in COMMAS]
+    assert all(r.reason.startswith("malformed number after '####'") for r, (_, _, ok) in zip(rs, COMMAS, strict=True)
+               if not ok)
+    assert [gsm8k_reward(c, g).correct for c, g, _ in COMMAS] == [ok for _, _, ok in COMMAS]  # the same rule
+
+
 @pytest.mark.parametrize("completion,gold,why", ACCEPTED, ids=[c[2] for c in ACCEPTED])
 def test_accepts_what_the_regex_cannot(completion, gold, why):
     (r,) = math_reward(["q"], [completion], [gold], timeout_s=PATIENT_S)

@@ -85,3 +85,20 @@ def test_stop_strings_cut_at_the_completing_token(which, tiny_tok, smol_tok):
     assert (cut.stop, cut.text) == ("####", "7+5=12\n")
     # a stop string that never occurs changes nothing
     assert cut_completion(tok, ids, "length", ("STOP",)).n_tokens == len(ids)
+
+
+@pytest.mark.parametrize("which", ["tiny", "smol"])
+@pytest.mark.parametrize(("text", "stop"), [("ab→c", "→"), ("ab🙂c", "🙂"), ("x = 5 → y\n\nQ", "→ y"),
+                                            ("so 5 €\n#### 5", "€\n")])
+def test_stop_string_ending_in_a_multibyte_character(which, text, stop, tiny_tok, smol_tok):
+    """A prefix that ends inside a multi-byte UTF-8 character decodes to U+FFFD, one character as
+    long as the stop string's last one: the cut must not stop there, before the stop string is out
+    (byte-level BPE: the tiny tokenizer spells "→" in 3 byte tokens, SmolLM2's "🙂" in 2)."""
+    tok = tiny_tok if which == "tiny" else smol_tok
+    ids = tok.encode(text, add_special_tokens=False)
+    shortest = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+    head = text[: text.index(stop) + len(stop)]
+    assert shortest == len(tok.encode(head, add_special_tokens=False))  # the prefix spelling the stop string
+    for finish, tail in (("stop", [tok.eos_token_id]), ("length", [])):
+        cut = cut_completion(tok, ids + tail, finish, (stop,))
+        assert (cut.n_tokens, cut.finish_reason, cut.stop, cut.text) == (shortest, "stop", stop, text[: text.index(stop)])

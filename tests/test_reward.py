@@ -64,6 +64,21 @@ EXTRACT_CASES = [
     ("#### 1,000", False, 1000),  # thousands separator
     ("#### $1,000.00", False, 1000),  # dollar, separator and cents all at once
     ("#### 109,200,000", False, 109_200_000),  # several separators (a real GSM8K gold)
+    ("#### 12,345,678", False, 12_345_678),  # thousands separators only ...
+    ("#### -1,234.5", False, -1234.5),  # ... with a sign and decimals
+    ("#### $-12,345.50", False, -12345.5),  # ... and a dollar
+    ("#### 1,000, then 5", False, 1000),  # a comma after the number is punctuation
+    ("#### 1,2,3", False, None),  # commas that separate no thousands: never read as 123 ...
+    ("#### 1,2", False, None),  # ... nor as 12 (or 1)
+    ("#### 12,34", False, None),  # ... a group of two
+    ("#### 1,2345", False, None),  # ... a group of four, never read as 1,234 or 12,345
+    ("#### 1,234,5", False, None),  # ... a short last group
+    ("#### 1234,567", False, None),  # ... a first group of four
+    ("#### 1,23,456", False, None),  # ... Indian grouping is not read as thousands here
+    ("#### 0,5", False, None),  # ... a decimal comma is not read as 5 or 0
+    ("#### 012,345", False, None),  # ... a first group with a leading zero
+    ("the digits are 1,2,3", True, None),  # lenient: the last number too
+    ("\\boxed{1,2,3}", True, None),  # lenient: a box too
     ("#### -47", False, -47),  # negatives exist in GSM8K golds
     ("#### \u22125", False, -5),  # the Unicode minus sign, as some tokenizers/models write it
     ("#### -$5", False, -5),  # sign before the dollar
@@ -145,6 +160,12 @@ REWARD_CASES = [
     ("#### 72", 72, {"format_bonus": 0.1}, RewardResult(1.1, 72.0, "correct", M, *OK)),
     # ... and, by design, to a well-formed wrong one (a format signal before correctness is learned)
     ("#### 71", 72, {"format_bonus": 0.1}, RewardResult(0.1, 71.0, "wrong answer 71 != 72", M, *WRONG)),
+    # ... but never to commas that separate no thousands, right digits or not (a policy's cheap variant)
+    ("#### 1,2,3", 123, {"format_bonus": 0.1},
+     RewardResult(0.0, None, "malformed number after '####': '1,2,3'", None, False, False)),
+    ("#### 1,2", 12, {"format_bonus": 0.1, "lenient": True},
+     RewardResult(0.0, None, "malformed number after '####': '1,2'", None, *WRONG)),
+    ("#### 12,345,678", "12345678", {}, RewardResult(1.0, 12345678.0, "correct", M, *OK)),  # real separators
     # ... but never to an answer found by the lenient fallback
     ("so 72", 72, {"format_bonus": 0.1, "lenient": True},
      RewardResult(1.0, 72.0, "correct (no '####', last number)", L, False, True)),

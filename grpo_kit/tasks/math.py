@@ -11,7 +11,9 @@ past ``timeout_s`` gets the child killed (SIGKILL) and scores 0 with the reason,
 starts a new child (about a second, for the imports).
 
 GSM8K's ``#### <n>`` marker is read as a final-answer mark like ``\\boxed{}``: when a completion has
-one, math-verify gets the rest of that line (the first marker, as :mod:`grpo_kit.reward` reads it).
+one, math-verify gets the rest of that line (the first marker, as :mod:`grpo_kit.reward` reads it),
+unless that line starts with a number whose commas are not thousands separators (``1,2,3``,
+``1,2345``), which scores 0 as in :mod:`grpo_kit.reward` (math-verify would read 1.2 and 1234).
 A gold may be a number string (GSM8K's), a ``\\boxed{}`` solution or bare LaTeX.
 
 The default source is GSM8K at ``../shared/data/gsm8k`` (train for training, test held out), since
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import data
-from ..reward import MARKER, RewardResult
+from ..reward import MARKER, RewardResult, stray_commas
 from ..sandbox import readable
 from .base import Task
 
@@ -188,7 +190,11 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
         if not c.strip():
             out.append(RewardResult(0.0, None, "empty completion"))
             continue
-        ans = v.check(final_answer(c), _gold_text(g), timeout_s)
+        pred = final_answer(c)
+        if MARKER in c and stray_commas(pred):  # "#### 1,2345": math-verify would read 1234
+            out.append(RewardResult(0.0, None, f"malformed number after {MARKER!r}: {pred[:20]!r}"))
+            continue
+        ans = v.check(pred, _gold_text(g), timeout_s)
         parsed = _as_float(ans.get("value"))
         if "error" in ans:
             out.append(RewardResult(0.0, None, f"math-verify: {ans['error']}"))

@@ -1,0 +1,114 @@
+"""grpo_kit.metrics: the iteration record and the run summary, with a step that trained no token."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from grpo_kit.config import Config
+from grpo_kit.loss import LossStats, group_advantages, grpo_loss
+from grpo_kit.metrics import Batch, Step, iteration_record, run_summary
+from grpo_kit.rollout import RolloutSummary
+from grpo_kit.sampling import Group
+
+f64 = torch.float64
+T = 4  # completion tokens per row
+TRAINER_KEYS = ("ratio_mean", "ratio_std", "ratio_min", "ratio_max", "clip_frac_low", "clip_frac_high", "clip_frac",
+                "kl_mean", "is_mean", "is_min", "is_max", "is_capped_frac")
+
+
+def strict_json(text: str):
+    """``json.loads`` that refuses NaN and Infinity, as jq and browsers do."""
+
+    def refuse(const):
+        raise ValueError(f"{const} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def _batch(it: int, rewards: list[list[float]]) -> Batch:
+    rollouts = [RolloutSummary(prompt_id=f"p{g}", group_id=g, sample_idx=i, version=it, finish_reason="stop",
+                               text="#### 1", gold="2", prompt_tokens=5, completion_tokens=T, reward=r,
+                               correct=False, lenient_correct=False)
+                for g, rs in enumerate(rewards) for i, r in enumerate(rs)]
+    groups = [Group(tuple(rs), it, tokens=T * len(rs)) for rs in rewards]
+    t = 1000.0 + 10 * it
+    results = [{"start": t, "end": t + 1, "reward_start": t + 1, "reward_end": t + 1.5, "reward_worker": "w0",
+                "worker": "w0"}]
+    return Batch(it, it, results, rollouts, groups, groups, [0] * len(groups), 0, None, t, t + 2)
+
+
+def _trainer_stats(rewards: list[list[float]], seed: int) -> dict:
+    """What the trainer reports with kl_beta=0: the loss over the rows with an advantage only."""
+    flat = torch.tensor([r for rs in rewards for r in rs], dtype=f64)
+    adv = group_advantages(flat, len(rewards[0]))
+    keep = adv != 0
+    gen = torch.Generator().manual_seed(seed)
+    n = int(keep.sum())
+    logp = -torch.rand(n, T, generator=gen, dtype=f64)
+    old = logp + 0.3 * torch.randn(n, T, generator=gen, dtype=f64)
+    stats = LossStats.empty(kl=False)
+    if n:
+        stats = stats + grpo_loss(logp, old, None, adv[keep], torch.ones(n, T, dtype=torch.bool))[1]
+    s = stats.summary()
+    return {"loss": 0.0, **s, "grad_norm": 0.0, "tokens": float(len(flat) * T), "tokens_trained": s["tokens"],
+            "samples": float(len(flat)), "samples_nonzero_adv": float(n)}
+
+
+def _records(iterations: list[list[list[float]]]) -> list[dict]:
+    recs = []
+    for it, rewards in enumerate(iterations):
+        t = 1000.0 + 10 * it + 2
+        step = Step(_trainer_stats(rewards, seed=it), True, t, t + 1)
+        recs.append(iteration_record(Config(), _batch(it, rewards), step, it + 1, None, 0))
+    return recs
+
+
+SPREAD = [[1.1, 0.1, 0.1, 1.1, 0.1, 0.1], [0.0, 1.1, 0.1, 0.1, 0.0, 0.1]]
+# formatted but wrong answers under format_bonus=0.1, and no answers: no group with reward spread
+NO_SPREAD = [[0.1] * 6, [0.0] * 6]
+
+
+def test_a_step_that_trained_nothing_records_none_and_the_summary_is_json(tmp_path):
+    records = _records([SPREAD, NO_SPREAD, SPREAD])
+    empty = records[1]
+    assert empty["samples_nonzero_adv"] == 0 and empty["zero_spread_groups"] == 2
+    assert all(empty[k] is None for k in TRAINER_KEYS), {k: empty[k] for k in TRAINER_KEYS}
+    for rec in records:
+        json.dumps(rec, allow_nan=False)  # a metrics.jsonl line jq can read
+    trained = [records[0], records[2]]
+    assert all(isinstance(r["ratio_mean"], float) and r["ratio_mean"] != 1.0 for r in trained)
+
+    state = {"version": 3, "base_acc": 0.1, "evals": [], "grpo_wall_s": 12.0, "next_iteration": 3}
+    summary = run_summary(state, records, 0, None, {}, None)
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps(summary, indent=1))  # as the loop writes it
+    back = strict_json(path.read_text())
+    # the means are over the iterations that measured something
+    assert back["ratio_mean"] == pytest.approx(sum(r["ratio_mean"] for r in trained) / 2, rel=1e-12)
+    assert back["clip_fraction"] == pytest.approx(sum(r["clip_frac"] for r in trained) / 2, rel=1e-12)
+    assert back["kl_final"] is None  # kl_beta=0: never measured
+
+
+def test_records_holding_nan_average_what_was_measured():
+    """A metrics.jsonl written before empty steps recorded None holds NaN there (``json.loads``
+    reads it back); a resumed run's summary averages the numbers only."""
+    records = _records([SPREAD, SPREAD])
+    nan_rec = {**records[1], "iteration": 2, "ratio_mean": math.nan, "clip_frac": math.nan, "kl_mean": math.nan}
+    old = json.loads(json.dumps(nan_rec))
+    state = {"version": 3, "base_acc": None, "evals": [], "grpo_wall_s": 12.0, "next_iteration": 3}
+    summary = run_summary(state, [*records, old], 0, None, {}, None)
+    strict_json(json.dumps(summary))
+    assert summary["ratio_mean"] == pytest.approx((records[0]["ratio_mean"] + records[1]["ratio_mean"]) / 2, rel=1e-12)
+    assert summary["clip_fraction"] == pytest.approx((records[0]["clip_frac"] + records[1]["clip_frac"]) / 2, rel=1e-12)
+
+
+def test_a_run_that_never_trained_summarizes_none():
+    records = _records([NO_SPREAD, NO_SPREAD])
+    summary = run_summary({"version": 0, "base_acc": 0.0, "evals": [], "grpo_wall_s": 1.0, "next_iteration": 2},
+                          records, 0, None, {}, None)
+    assert (summary["ratio_mean"], summary["clip_fraction"], summary["kl_final"]) == (None, None, None)
+    strict_json(json.dumps(summary))
