@@ -1,6 +1,7 @@
 """On-policy alignment of each rollout engine with the trainer's log-probs.
 
     python bench/alignment.py [--model tiny|smollm2-135m|DIR] [--problems 32] [--group-size 6] [--max-new-tokens 48]
+                              [--temperature 1.0]
 
 For each engine (vLLM with the adapter merged into its weights, vLLM with a per-request LoRA, HF)
 on the model (default the tiny one; ``smollm2-135m`` is a real chat model, prompted through its chat
@@ -8,7 +9,8 @@ template) with a non-trivial LoRA adapter (random B matrices,
 published to an AdapterStore as version 1): sample completions, recompute the log-probs of the
 same token ids with ``train_step.token_logprobs`` under the same adapter (loaded from the store the
 way the trainer loads it), and report the on-policy importance ratio ``exp(logp - old_logp)``:
-its mean (should be 1), std and the largest |delta logp|. The last line is JSON.
+its mean (should be 1), std and the largest |delta logp|. At ``--temperature`` the engines sample
+and record the tempered distribution, and the trainer scores the same one. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="tiny, smollm2-135m or a checkpoint directory")
     ap.add_argument("--lora-scale", type=float, default=None, help="std of the random B matrices "
                     "(default 0.05 for tiny, 0.01 otherwise)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (scored tempered)")
     ap.add_argument("--version", type=int, default=1, help="1: the perturbed adapter; 0: the base model")
     ap.add_argument("--engines", nargs="+", default=["vllm_merged", "vllm_request", "hf"],
                     choices=["vllm_merged", "vllm_request", "hf"])
@@ -45,7 +48,7 @@ def main() -> None:
     store = AdapterStore(tempfile.mkdtemp(prefix="bench-alignment-"))
     store.publish(perturbed_adapter(path, seed=1, scale=scale), 1)
     problems = data.synthetic_problems(args.problems, split="train", seed=0, n_digits=3 if args.model == "tiny" else 2)
-    kw = {"max_new_tokens": args.max_new_tokens, "seed": 0}
+    kw = {"max_new_tokens": args.max_new_tokens, "seed": 0, "temperature": args.temperature}
     common = {"store": store, "prompt_format": PromptFormat(), "max_model_len": 256}
 
     results = {}
@@ -62,7 +65,7 @@ def main() -> None:
         engine = build()
         rollouts = engine.generate(problems, args.group_size, args.version, **kw)
         engine.close()
-        st = ratio_stats(dlogp(scorer, rollouts), rollouts)
+        st = ratio_stats(dlogp(scorer, rollouts, temperature=args.temperature), rollouts)
         results[name] = st
         print(
             f"{name:12s} v{args.version}: {st['tokens']} completion tokens ({st['truncated']} truncated), "
@@ -75,6 +78,7 @@ def main() -> None:
             {
                 "model": args.model,
                 "version": args.version,
+                "temperature": args.temperature,
                 **{f"{e}_{k}": v for e, st in results.items() for k, v in st.items()},
             }
         )

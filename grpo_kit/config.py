@@ -137,10 +137,12 @@ class SamplingConfig:
     max_new_tokens: int = 48
     """Completion budget; completions cut here count as truncated."""
     temperature: float = 1.0
-    """Sampling temperature. Importance ratios assume 1.0 (log-probs are of the tempered
-    distribution); other values are rejected unless ``allow_tempered`` is set."""
+    """Sampling temperature. The engines record log-probs of the tempered distribution they sample
+    from, and the trainer scores the same one (logits / temperature, for the policy and the KL
+    reference, as TRL does), so the on-policy ratio is 1 at any temperature."""
     allow_tempered: bool = False
-    """Accept temperature != 1.0 (the ratio is then taken against the tempered policy)."""
+    """Deprecated, no effect (kept so that older configs and notebooks load): temperatures other
+    than 1.0 used to need this opt-in, before the trainer scored the tempered distribution."""
     gpu_memory_utilization: float = 0.15
     """vLLM's GPU memory fraction for weights + KV cache (GPU only; on CPU see ``kv_cache_bytes``)."""
     kv_cache_bytes: int | None = None
@@ -175,12 +177,6 @@ class SamplingConfig:
         _check(self.lora_mode in LORA_MODES, f"lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
         _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, f"kv_cache_bytes must be > 0 or None, got {self.kv_cache_bytes}")
         _check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(
-            self.temperature == 1.0 or self.allow_tempered,
-            f"temperature={self.temperature}: sampling log-probs are then of the tempered "
-            "distribution while the trainer scores the untempered policy, which biases the "
-            "importance ratio; use 1.0 or set allow_tempered=True",
-        )
 
     @property
     def batch_size(self) -> int:

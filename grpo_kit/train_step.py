@@ -17,7 +17,10 @@ The step issues the same collectives, in the same order, on every rank whatever 
    (with ``kl_beta == 0`` only the rows with a nonzero advantage: the others have no loss term, see
    below, and a shard may become empty here);
 3. one 1-token forward through the DDP wrapper and a 0-scaled backward outside ``no_sync()``: this
-   backward is the rank's single gradient all-reduce (the gradients accumulated in step 2 ride on it);
+   backward is the rank's single gradient all-reduce (the gradients accumulated in step 2 ride on it).
+   Its loss also adds the 0-scaled sum of every trainable parameter: a 1-token forward does not reach
+   a MoE expert its router skips (or any conditionally run module), whose bucket would then never be
+   reduced (the next step fails with "Expected to have finished reduction");
 4. clip, optimizer step; all-reduce the stats.
 
 DDP's own one-off collective (the bucket rebuild, a broadcast at the first DDP forward after the first
@@ -124,13 +127,21 @@ def collate(samples: Sequence[Sample | tuple], pad_id: int, dtype: torch.dtype =
 
 
 def token_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *, chunk: int = 1024
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    *,
+    chunk: int = 1024,
+    temperature: float = 1.0,
 ) -> Tensor:
     """``(B, T)`` log-probs of the completion tokens of ``input_ids`` under ``model``; 0 elsewhere.
 
     Aligned with ``input_ids`` (module docstring). Only the logits rows that predict completion
     tokens are kept, and they are upcast (to float32, or kept in float64) ``chunk`` rows at a time,
     so the float32 copy of the vocab-wide logits exists once, for completion rows only.
+    ``temperature`` scores the tempered distribution ``softmax(logits / temperature)``, the one the
+    engines sample from and record log-probs of (TRL divides its logits the same way).
     """
     if completion_mask[:, :1].any():
         raise ValueError("completion_mask is set at column 0, which has no prediction; prompts must be non-empty")
@@ -139,23 +150,33 @@ def token_logprobs(
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
     rows = logits[:, :-1][m]  # (N, V) in the model dtype: the rows that predict completion tokens
     del logits  # autograd keeps only indices for the selection: the full (B, T, V) tensor is freed here
-    vals = _rows_logprobs(rows, input_ids[:, 1:][m], chunk)  # (N,)
+    vals = _rows_logprobs(rows, input_ids[:, 1:][m], chunk, temperature)  # (N,)
     logp = vals.new_zeros((B, T - 1)).masked_scatter(m, vals)  # (B, T-1)
     return F.pad(logp, (1, 0))  # (B, T)
 
 
-def _rows_logprobs(rows: Tensor, targets: Tensor, chunk: int) -> Tensor:
-    """``log_softmax(rows)[targets]`` for ``(N, V)`` logits rows, upcast ``chunk`` rows at a time."""
+def _rows_logprobs(rows: Tensor, targets: Tensor, chunk: int, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(rows / temperature)[targets]`` for ``(N, V)`` logits rows, upcast ``chunk`` rows at a time."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     dtype = torch.promote_types(rows.dtype, torch.float32)
     parts = []
     for x, y in zip(rows.split(chunk), targets.split(chunk), strict=True):
         x = x.to(dtype)  # (n, V)
+        if temperature != 1.0:
+            x = x / temperature  # after the upcast, as the engines temper their float32 logits
         parts.append(x.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(x, dim=-1))  # (n,)
     return torch.cat(parts) if parts else rows.new_zeros((0,), dtype=dtype)  # (N,)
 
 
 def shared_prompt_logprobs(
-    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, *, chunk: int = 1024
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_mask: Tensor,
+    *,
+    chunk: int = 1024,
+    temperature: float = 1.0,
 ) -> Tensor:
     """:func:`token_logprobs` (same layout, same values up to float rounding), with each run of
     consecutive rows that share a prompt running that prompt once.
@@ -176,7 +197,7 @@ def shared_prompt_logprobs(
     seq_len = attention_mask.sum(dim=1)  # (B,)
     prompt_len = seq_len - comp_len  # (B,) completions follow their prompt (collate's layout)
     if B == 0 or int(comp_len.max()) == 0:  # nothing to share; the plain forward keeps the graph (and DDP) as is
-        return token_logprobs(model, input_ids, attention_mask, completion_mask, chunk=chunk)
+        return token_logprobs(model, input_ids, attention_mask, completion_mask, chunk=chunk, temperature=temperature)
     cols = torch.arange(T, device=device)
     want = (cols[None] >= prompt_len[:, None]) & (cols[None] < seq_len[:, None])
     if not torch.equal(want.to(completion_mask.dtype), completion_mask) or (prompt_len < 1).any():
@@ -209,9 +230,9 @@ def shared_prompt_logprobs(
     logits = model(input_ids=c_ids, attention_mask=mask, position_ids=c_cols, past_key_values=cache,
                    use_cache=False).logits  # (B, Lc, V)
     has = comp_len > 0  # (B,)
-    first = _rows_logprobs(last[run[has]], c_ids[has, 0], chunk)  # (B0,) completion token 0
+    first = _rows_logprobs(last[run[has]], c_ids[has, 0], chunk, temperature)  # (B0,) completion token 0
     m = c_mask[:, 1:]  # (B, Lc-1) completion tokens 1.. predicted by completion positions 0..
-    rest = _rows_logprobs(logits[:, :-1][m], c_ids[:, 1:][m], chunk)  # (N - B0,)
+    rest = _rows_logprobs(logits[:, :-1][m], c_ids[:, 1:][m], chunk, temperature)  # (N - B0,)
     del logits
     r0 = has.nonzero().squeeze(1)
     ri, rj = m.nonzero(as_tuple=True)
@@ -264,12 +285,15 @@ def grpo_step(
     world_size: int = 1,
     shard_sizes: Sequence[int] | None = None,
     max_len: int | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, float]:
     """One optimizer step on the FULL ``batch``, of which this rank processes its shard.
 
     ``model`` is a PEFT model (``world_size == 1``: no DDP, no ``torch.distributed`` call) or
     :func:`wrap_ddp` around one. ``max_len`` is dr_grpo's constant (pass the completion budget,
-    ``max_new_tokens``); None takes the longest completion in the batch. Returns stats that are
+    ``max_new_tokens``); None takes the longest completion in the batch. ``temperature`` is the
+    sampling temperature: the policy and the KL reference are scored tempered
+    (:func:`token_logprobs`), as the engines' sampling log-probs are. Returns stats that are
     all-reduced and identical on every rank: ``loss``, ``ratio_mean/std/min/max``,
     ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``is_mean/min/max/capped_frac`` (the
     engine-mismatch weight with ``old_logp_source="trainer"``; None otherwise), ``grad_norm`` (before clipping),
@@ -328,8 +352,10 @@ def grpo_step(
             if loss_cfg.kl_beta > 0:
                 # the unwrapped module: a reference forward must not touch the DDP reducer
                 with torch.no_grad(), module.disable_adapter():
-                    ref_logp = logprobs_fn(module, mb.input_ids, mb.attention_mask, mb.completion_mask)
-            logp = logprobs_fn(model, mb.input_ids, mb.attention_mask, mb.completion_mask)  # (b, t)
+                    ref_logp = logprobs_fn(module, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                           temperature=temperature)
+            logp = logprobs_fn(model, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                               temperature=temperature)  # (b, t)
             # old_logp_source="trainer": the trainer's own log-probs before this (single) update are
             # this forward's, detached; the engine's then only feed the mismatch weight
             loss, st = grpo_loss(
@@ -352,13 +378,16 @@ def grpo_step(
             loss_sum += loss.detach().to(f64)
             stats = stats + st
 
-    # (3) the one synchronizing backward, identical on every rank
+    # (3) the one synchronizing backward, identical on every rank. The 1-token forward need not
+    # reach every trainable parameter (an expert its router skips, any conditionally run module):
+    # the 0-weighted sum of all of them puts each one in the graph, so every DDP bucket is reduced.
+    # Its gradient is exactly 0 (0 * 1 per element), so the accumulated gradients are unchanged.
+    params = [p for p in module.parameters() if p.requires_grad]
     if distributed:
         out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
-        (out.logits.sum() * 0.0).backward()
+        (sum((p.sum() for p in params), out.logits.sum()) * 0.0).backward()
 
     # (4) clip, step, stats
-    params = [p for p in module.parameters() if p.requires_grad]
     max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     optimizer.step()

@@ -8,8 +8,11 @@ costs a forward/backward, not a model load. :func:`train_rank` is the body of on
   ``destroy_process_group()`` (destroying the group under a live wrapper deadlocked workers);
 - the state follows the adapter store: if the requested version is not the one in memory (a fresh
   or restarted worker, a retried step), the adapter and optimizer state are loaded from the store;
-- rank 0 publishes version ``v + 1`` (adapter, then optimizer state) after the step. The driver
-  gets the all-reduced stats back, never tensors.
+- rank 0 publishes version ``v + 1`` (optimizer state, then the adapter) after the step and
+  broadcasts the outcome (:func:`agree_on_outcome`): when an earlier attempt of the step had
+  committed ``v + 1`` first, every rank adopts that version (adapter and optimizer state), and when
+  the publish raised, every rank fails the step. The other ranks therefore wait for rank 0's publish
+  (bounded by the collective timeout). The driver gets the all-reduced stats back, never tensors.
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class RankSpec:
     """dr_grpo's constant (the completion budget)."""
     local_rank: int = 0
     """This rank's index among the gang's ranks on the same host: its GPU where a worker sees several."""
+    temperature: float = 1.0
+    """The sampling temperature: the step scores the tempered policy (and reference), whose
+    log-probs the engines record."""
 
     @classmethod
     def for_run(cls, cfg: Config, run_id: str, model_path: str, store_root: str,
@@ -68,6 +74,7 @@ class RankSpec:
             model=cfg.model, lora=cfg.lora, loss=cfg.loss, optim=cfg.optim, seed=cfg.run.seed, rank=0,
             world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
             timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
+            temperature=cfg.sampling.temperature,
         )
 
 
@@ -254,6 +261,19 @@ def warm(spec: RankSpec, version: int) -> float:
     return time.time() - t0
 
 
+PUBLISHED, ADOPTED, FAILED = 0, 1, 2
+"""Outcomes of rank 0's publish of ``v + 1``: it committed this attempt's update; an earlier
+attempt had committed ``v + 1`` (every rank adopts that version); it raised (every rank fails)."""
+
+
+def agree_on_outcome(outcome: int, group, device: str) -> int:
+    """Rank 0's publish outcome, on every rank of ``group`` (one broadcast from rank 0; every rank
+    calls it once per step, whatever its own outcome, so the collectives line up)."""
+    flag = torch.tensor([outcome], dtype=torch.int64, device=device)  # on the GPU for NCCL
+    torch.distributed.broadcast(flag, src=torch.distributed.get_global_rank(group, 0), group=group)
+    return int(flag.item())
+
+
 def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
     """One rank's part of one training step (a Dask task). Returns stats and timings."""
     t0 = time.time()
@@ -275,36 +295,49 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
             rank=spec.rank,
             world_size=spec.world_size,
             max_len=spec.max_len,
+            temperature=spec.temperature,
         )
     except BaseException:
         state.version = None  # the optimizer may have stepped: reload from the store on retry
         raise
     state.version = version + 1
     t_step = time.time()
-    adopted = False
+    t_opt = t_step
+    outcome, error, name = PUBLISHED, None, None
     if spec.rank == 0:
-        # optimizer state first, under this attempt's own name; the adapter's manifest, which names
-        # that state, is the commit point of the step
-        name = optimizer_state_name(version + 1, os.urandom(4).hex())
-        state.store.save_state(name, state.optimizer.state_dict())
-        t_opt = time.time()
-        meta = {"iteration": iteration, "stats": stats, "optimizer_state": name}
         try:
-            state.store.publish(state.model, version + 1, meta=meta, parent=version)
-        except VersionExistsError:
-            # an earlier attempt of this step (whose failure the driver saw while its publish was
-            # still running) committed v+1 first: adopt that version, adapter and optimizer state together
-            state.store.delete_state(name)
-            state.version = None
-            state.sync_to(version + 1)
-            stats = state.store.manifest(version + 1).get("meta", {}).get("stats", stats)
-            adopted = True
-        else:
-            state.saved_states.append(name)
-            while len(state.saved_states) > 2:  # keep the last two this process wrote
-                state.store.delete_state(state.saved_states.pop(0))
-    else:
-        t_opt = t_step
+            # optimizer state first, under this attempt's own name; the adapter's manifest, which
+            # names that state, is the commit point of the step
+            name = optimizer_state_name(version + 1, os.urandom(4).hex())
+            state.store.save_state(name, state.optimizer.state_dict())
+            t_opt = time.time()
+            meta = {"iteration": iteration, "stats": stats, "optimizer_state": name}
+            try:
+                state.store.publish(state.model, version + 1, meta=meta, parent=version)
+            except VersionExistsError:
+                # an earlier attempt of this step (whose failure the driver saw while its publish
+                # was still running) committed v+1 first: every rank adopts that version below
+                state.store.delete_state(name)
+                outcome = ADOPTED
+        except Exception as e:  # told to the other ranks first, so that none waits on rank 0
+            outcome, error = FAILED, e
+    if spec.world_size > 1:
+        outcome = agree_on_outcome(outcome, state.ddp.process_group, state.device)
+    if outcome == FAILED:
+        state.version = None  # v+1 may or may not be in the store: reload on retry
+        if error is not None:
+            raise error
+        raise RuntimeError(f"rank 0 failed to publish version {version + 1}; this rank's update is dropped")
+    if outcome == ADOPTED:
+        # adapter and optimizer state together, on every rank (the ranks must hold the same weights)
+        state.version = None
+        state.sync_to(version + 1)
+        stats = state.store.manifest(version + 1).get("meta", {}).get("stats", stats)
+    elif spec.rank == 0:
+        state.saved_states.append(name)
+        while len(state.saved_states) > 2:  # keep the last two this process wrote
+            state.store.delete_state(state.saved_states.pop(0))
+    adopted = outcome == ADOPTED
     t_end = time.time()
     with torch.no_grad():  # cheap fingerprint: the driver checks that ranks hold the same weights
         checksum = float(sum(p.double().sum() for p in state.model.parameters() if p.requires_grad))

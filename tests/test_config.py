@@ -35,7 +35,7 @@ def test_overrides_are_flat_and_validated():
         ({"lr": -1e-4}, "lr must be > 0"),
         ({"loss_type": "ppo"}, "loss_type must be one of"),  # only TRL's three normalizers
         ({"engine": "sglang"}, "engine must be one of"),
-        ({"temperature": 0.7}, "tempered"),  # ratio would be against the tempered policy
+        ({"temperature": 0.0}, "temperature must be > 0"),  # greedy is engine.greedy(), not a temperature
         ({"kl_beta": -0.1}, "kl_beta must be >= 0"),
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
         ({"world_size": 0}, "world_size must be >= 1"),
@@ -46,8 +46,12 @@ def test_bad_values_raise_clear_errors(kw, msg):
         profile("tiny", **kw)
 
 
-def test_tempered_sampling_needs_opt_in():
-    assert profile("tiny", temperature=0.7, allow_tempered=True).sampling.temperature == 0.7
+def test_tempered_sampling_needs_no_opt_in():
+    """The trainer scores the tempered distribution the engines record (tests/test_trainer.py), so a
+    temperature is a plain setting; the old opt-in is still accepted and changes nothing."""
+    assert profile("tiny", temperature=0.7).sampling.temperature == 0.7
+    old = profile("tiny", temperature=0.7, allow_tempered=True)
+    assert Config.from_dict(old.to_dict()) == old and old.sampling.temperature == 0.7
 
 
 def test_unknown_profile():

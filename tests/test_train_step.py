@@ -6,6 +6,7 @@ as one process stepping on the whole batch.
 """
 
 import datetime
+import functools
 import gc
 import math
 import socket
@@ -19,7 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from peft import LoraConfig, get_peft_model
+from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers.modeling_outputs import CausalLMOutput
 
 from grpo_kit.config import LossConfig, OptimConfig
 from grpo_kit.loss import Normalizer, grpo_loss
@@ -124,10 +127,13 @@ def test_collate_alignment():
         collate([([1], [1, 2], [-1.0], 0.0)], pad_id=0)
 
 
-def test_token_logprobs_matches_naive_per_position():
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_matches_naive_per_position(temperature):
+    """At a temperature, the log-probs of the tempered distribution the engines sample from."""
     model = tiny_model()
     batch = make_batch(5, seed=1)
-    got = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk=3)
+    got = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk=3,
+                         temperature=temperature)
     want = torch.zeros_like(got)
     with torch.no_grad():
         for b in range(len(batch)):
@@ -135,7 +141,7 @@ def test_token_logprobs_matches_naive_per_position():
                 if batch.completion_mask[b, t]:
                     # the unpadded prefix alone: padding and later tokens cannot leak in
                     logits = model(input_ids=batch.input_ids[b : b + 1, :t]).logits[0, -1]
-                    want[b, t] = torch.log_softmax(logits, dim=-1)[batch.input_ids[b, t]]
+                    want[b, t] = torch.log_softmax(logits / temperature, dim=-1)[batch.input_ids[b, t]]
     assert got.shape == batch.input_ids.shape
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     assert (got[batch.completion_mask == 0] == 0).all()
@@ -150,17 +156,19 @@ def test_token_logprobs_upcasts_half_logits_and_keeps_gradients():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
 
 
-def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False):
-    """The plain single-process update(s): the whole batch in one forward, no sharding, no micro-batches."""
-    model = tiny_model()
+def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False, temperature=1.0, build=None):
+    """The plain single-process update(s): the whole batch in one forward, no sharding, no micro-batches
+    (on ``build()``'s model, default :func:`tiny_model`)."""
+    model = (build or tiny_model)()
+    lp = functools.partial(token_logprobs, temperature=temperature)
     opt = make_optimizer(model, optim_cfg) if adamw else torch.optim.SGD(model.parameters(), lr=LR)
     before = lora_params(model)
     for batch in batches:
-        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        logp = lp(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
         ref_logp = None
         if loss_cfg.kl_beta > 0:
             with torch.no_grad(), model.disable_adapter():
-                ref_logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+                ref_logp = lp(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
         norm = None
         if loss_cfg.loss_type == "dr_grpo":  # sum / (B * max_len), max_len the longest completion or given
             longest = int(batch.completion_mask.sum(dim=1).max())
@@ -244,6 +252,10 @@ def test_shared_prompt_logprobs_equal_the_full_forward(attn, logprob_tol, grad_t
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=logprob_tol)
     assert (outs[1][batch.completion_mask == 0] == 0).all()
+    with torch.no_grad():  # tempered: the same values as the full forward's, which differ from untempered
+        hot = [fn(model, *args, temperature=0.7) for fn in (token_logprobs, shared_prompt_logprobs)]
+    torch.testing.assert_close(hot[1], hot[0], rtol=1e-10, atol=1e-12)
+    assert (hot[0] - outs[0]).abs().max() > 0.01
     assert _rel_err(grads[1], grads[0]) < grad_tol
     # one row, a batch of empty completions, a row of another layout
     one = batch[2:3].trim()
@@ -277,6 +289,28 @@ def test_single_process_step_matches_reference(loss_type, share_prompt, monkeypa
     _assert_stats_close(stats, want_stats)
     assert stats["samples"] == 5 and stats["clip_frac"] > 0 and stats["kl"] > 0
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_tempered_step_scores_the_tempered_policy_and_reference(share_prompt):
+    """temperature: the ratio and the KL are those of the tempered distributions (TRL's scoring),
+    which the engines' sampling log-probs are of."""
+    batch = make_batch(5, seed=3, group=2)
+    loss_cfg = LossConfig(kl_beta=0.05)
+    optim_cfg = OptimConfig(micro_batch=3, max_grad_norm=10.0, share_prompt=share_prompt)
+    runs = {}
+    for temperature in (0.7, 1.0):
+        model = tiny_model()
+        before = lora_params(model)
+        stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg,
+                          temperature=temperature)
+        runs[temperature] = ({k: v - before[k] for k, v in lora_params(model).items()}, stats)
+    delta, stats = runs[0.7]
+    want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, temperature=0.7)
+    assert _rel_err(delta, want_delta) < 1e-10
+    _assert_stats_close(stats, want_stats)
+    assert stats["kl"] != pytest.approx(runs[1.0][1]["kl"], rel=1e-3)  # the temperature mattered
+    assert stats["ratio_mean"] != pytest.approx(runs[1.0][1]["ratio_mean"], rel=1e-3)
 
 
 class RowCounter:
@@ -476,11 +510,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(nprocs: int, out_dir: Path, timeout: float = 150.0) -> list[dict]:
-    """Run ``_worker`` on ``nprocs`` ranks; kill them all and fail on a hang or an error."""
+def spawn_ranks(nprocs: int, out_dir: Path, timeout: float = 150.0, target=None) -> list[dict]:
+    """Run ``target(rank, port, out_dir)`` (default ``_worker``) on ``nprocs`` ranks, each saving
+    ``rank{r}.pt`` (or writing ``rank{r}.err``); kill them all and fail on a hang or an error."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out_dir)), daemon=True) for r in range(nprocs)]
+    target = target or _worker
+    procs = [ctx.Process(target=target, args=(r, port, str(out_dir)), daemon=True) for r in range(nprocs)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -501,7 +537,7 @@ def _spawn(nprocs: int, out_dir: Path, timeout: float = 150.0) -> list[dict]:
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory) -> list[dict]:
     """One spawn of 3 ranks runs every case (a spawn costs seconds of imports; the steps take less)."""
-    return _spawn(3, tmp_path_factory.mktemp("ddp"))
+    return spawn_ranks(3, tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -535,6 +571,85 @@ def test_ddp_step_matches_single_process(world_size, ddp_results):
             assert 0 < rank0["samples_nonzero_adv"] < case.n
             # without the KL term the zero-advantage rank skipped its whole shard (and still synced)
             assert (rank0["tokens_trained"] < rank0["tokens"]) == (case.loss.kl_beta == 0)
+
+
+class Routed(nn.Module):
+    """A tiny LM whose layer runs each of two experts only on the tokens routed to it (odd or even
+    ids), as a MoE block runs only the experts its router picked. The DDP step's 1-token sync
+    forward (token 0) never reaches the ``odd`` expert, whose LoRA the default-style targets cover."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, hidden)
+        self.even = nn.Linear(hidden, hidden)
+        self.odd = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False, **kw):
+        h = self.embed(input_ids)  # (B, T, H)
+        h = h.cumsum(1) / torch.arange(1, h.shape[1] + 1, dtype=h.dtype)[:, None]  # causal: the prefix mean
+        odd = input_ids % 2 == 1  # (B, T) the router
+        mixed = torch.zeros_like(h)
+        for routed, expert in ((~odd, self.even), (odd, self.odd)):
+            if routed.any():  # an expert no token picked does not run
+                mixed = mixed.index_put(routed.nonzero(as_tuple=True), torch.tanh(expert(h[routed])))
+        return CausalLMOutput(logits=self.head(h + mixed))
+
+
+def routed_model(seed: int = 0):
+    torch.manual_seed(seed)
+    base = Routed().to(torch.float64)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["even", "odd"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+ROUTED = Case("routed_experts", KL, OptimConfig(micro_batch=2, max_grad_norm=10.0, share_prompt=False),  # no KV cache
+              n=6, shard_sizes=(2, 4), steps=2)
+
+
+def _routed_worker(rank: int, port: int, out_dir: str) -> None:
+    """Two steps of :data:`ROUTED` on :func:`routed_model` at world size 2."""
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        model = routed_model()
+        before = lora_params(model)
+        ddp = wrap_ddp(model)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for batch in ROUTED.batches(2):
+            stats = grpo_step(ddp, opt, batch, ROUTED.loss, ROUTED.optim, rank=rank, world_size=2,
+                              shard_sizes=ROUTED.shard_sizes)
+        torch.save(({k: v - before[k] for k, v in lora_params(model).items()}, stats), out / f"rank{rank}.pt")
+        del ddp, opt
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_ddp_step_reduces_experts_the_sync_forward_skips(tmp_path):
+    """The sync backward's 1-token forward skips an expert: without every trainable parameter in its
+    graph, that expert's bucket was never reduced (ranks stepped on their local gradients) and the
+    next step failed with "Expected to have finished reduction"."""
+    batches = ROUTED.batches(2)
+    for batch in batches:  # both experts are trained on both ranks' shards, and token 0 is even
+        for lo, hi in ((0, 2), (2, 6)):
+            ids = batch.input_ids[lo:hi][batch.attention_mask[lo:hi].bool()]
+            assert (ids % 2 == 1).any() and (ids % 2 == 0).any()
+    results = spawn_ranks(2, tmp_path, target=_routed_worker)
+    want_delta, want_stats = _reference_step(batches, ROUTED.loss, ROUTED.optim, build=routed_model)
+    assert any("odd" in k for k in want_delta) and all(v.abs().sum() > 0 for v in want_delta.values())
+    for delta, stats in results:
+        assert _rel_err(delta, want_delta) <= 1e-10, _rel_err(delta, want_delta)
+        _assert_stats_close(stats, want_stats, rel=1e-9)
 
 
 def test_ddp_requires_broadcast_buffers_false():

@@ -1,15 +1,24 @@
-"""grpo_kit.trainer: the worker-resident state, in this process (world size 1) on the tiny model:
-no dropout in the scoring forwards, devices per local rank, and a retried step that is idempotent
-per version."""
+"""grpo_kit.trainer: the worker-resident state on the tiny model, in this process (world size 1):
+no dropout in the scoring forwards, devices per local rank, a retried step that is idempotent per
+version, the tempered distribution scored as the engine sampled it; and in a real gloo gang of two
+ranks: every rank adopts the version an earlier attempt published."""
 
 from __future__ import annotations
 
+import math
+import traceback
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
+from test_train_step import spawn_ranks  # pytest puts tests/ on sys.path
 from transformers import AutoTokenizer
 
 from grpo_kit import config, data, tiny, trainer
 from grpo_kit.adapters import AdapterStore
+from grpo_kit.rollout import HFEngine
 from grpo_kit.train_step import collate, token_logprobs
 
 
@@ -100,3 +109,89 @@ def test_a_retried_step_adopts_the_version_an_earlier_attempt_published(tiny_pat
         trainer.train_rank(spec, make_samples(tiny_path), v, v)
     states = store.fs.find(f"{store.path}/state/optimizer")
     assert len(states) == 2, states
+
+
+def test_the_step_scores_the_tempered_distribution_the_engine_sampled(tiny_path, tmp_path):
+    """temperature=0.7: the engine records log-probs of the tempered distribution; the trainer scored
+    the untempered policy, so even on-policy the ratio was not 1 (and the KL was of the wrong policy)."""
+    torch.manual_seed(0)
+    engine = HFEngine(tiny_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the engine's note that it samples tempered
+        out = engine.generate(data.synthetic_problems(16, split="train", seed=0), 6, 0, max_new_tokens=48,
+                              temperature=0.7, seed=3)
+    engine.close()
+    samples = [(r.prompt_ids, r.completion_ids, r.logprobs, 1.0 if i % 2 else -1.0) for i, r in enumerate(out)]
+    ratios = {}
+    for temperature in (0.7, 1.0):  # the sampling temperature, then the scoring the trainer used to do
+        cfg = config.profile("tiny", temperature=temperature)
+        spec = trainer.RankSpec.for_run(cfg, f"tempered-{temperature}", tiny_path, str(tmp_path / f"s{temperature}"), None)
+        assert spec.temperature == temperature
+        stats = trainer.train_rank(spec, samples, 0, 0)
+        assert stats["tokens_trained"] >= 512
+        ratios[temperature] = stats
+    on = ratios[0.7]  # the alignment tests' tolerances (grpo_kit.testing.assert_aligned)
+    assert max(abs(math.log(on["ratio_min"])), abs(math.log(on["ratio_max"]))) <= 1e-3, on
+    assert abs(on["ratio_mean"] - 1) <= 1e-4 and on["clip_frac"] == 0
+    off = ratios[1.0]  # the check can fail: untempered scoring is far off on these samples
+    assert max(abs(math.log(off["ratio_min"])), abs(math.log(off["ratio_max"]))) > 0.05
+
+
+def _adopt_worker(rank: int, port: int, out_dir: str) -> None:
+    """One rank of a gang of two on the tiny model: a step from v0, the same step retried on another
+    batch (rank 0 meets the published v1), the next step, then a step whose publish raises on rank 0."""
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        tiny_path = str(tiny.ensure_tiny_model())
+        spec = replace(make_spec(tiny_path, str(out / "store"), lr=1e-2), rank=rank, world_size=2,
+                       init_method=f"tcp://127.0.0.1:{port}")
+        res = {"first": trainer.train_rank(spec, make_samples(tiny_path), 0, 0)}
+        state = trainer.get_state(spec)
+        trainable = lambda: {k: v.detach().clone() for k, v in state.model.named_parameters() if v.requires_grad}  # noqa: E731
+        res["v1"] = trainable()
+        state.version = None  # the retried attempt starts again from version 0, on another batch
+        res["retry"] = trainer.train_rank(spec, make_samples(tiny_path, flip=True), 0, 0)
+        res["held"] = trainable()
+        res["exp_avg"] = {pid: st["exp_avg"].clone() for pid, st in state.optimizer.state_dict()["state"].items()}
+        res["next"] = trainer.train_rank(spec, make_samples(tiny_path), 1, 1)
+
+        def broken(*a, **k):
+            raise OSError("store unreachable")
+
+        if rank == 0:
+            state.store.publish = broken
+        try:
+            trainer.train_rank(spec, make_samples(tiny_path), 2, 2)
+            res["failed"] = None
+        except Exception as e:
+            res["failed"] = repr(e)
+        res["version_after_failure"] = state.version
+        torch.save(res, out / f"rank{rank}.pt")
+        trainer.drop_state()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_every_rank_adopts_the_version_an_earlier_attempt_published(tmp_path):
+    """world size 2: rank 0 alone used to reload the published v1, so rank 1 kept the retry's own
+    update (the ranks disagreed and the driver's checksum check failed the run). When rank 0's
+    publish raises, every rank fails the step (none is left waiting on rank 0)."""
+    tiny.ensure_tiny_model()
+    ranks = spawn_ranks(2, tmp_path, timeout=240.0, target=_adopt_worker)
+    store = AdapterStore(str(tmp_path / "store"))
+    committed = store.load_state(store.manifest(1)["meta"]["optimizer_state"])
+    v1 = ranks[0]["v1"]
+    assert [(r["first"]["adopted"], r["retry"]["adopted"]) for r in ranks] == [(False, True)] * 2
+    assert ranks[0]["retry"]["param_checksum"] == ranks[1]["retry"]["param_checksum"]
+    for rank, res in enumerate(ranks):
+        assert res["retry"]["loss"] == ranks[0]["first"]["loss"]  # the committed step's stats
+        for k, v in res["held"].items():  # exactly version 1, on every rank
+            assert torch.equal(v, v1[k]), (rank, k)
+        for pid, st in committed["state"].items():  # and v1's optimizer state
+            assert torch.equal(res["exp_avg"][pid], st["exp_avg"]), (rank, pid)
+        assert res["next"]["param_checksum"] == ranks[0]["next"]["param_checksum"]  # they step on together
+    assert "store unreachable" in ranks[0]["failed"] and "rank 0 failed to publish" in ranks[1]["failed"]
+    assert [r["version_after_failure"] for r in ranks] == [None, None]  # reloaded from the store on retry
+    assert store.versions() == [1, 2]
