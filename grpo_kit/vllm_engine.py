@@ -222,19 +222,11 @@ class VLLMEngine:
         self._cpu_threads = cpu_threads if on_cpu else None
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)
-        self.stop_ids = stop_token_ids(self.tokenizer, self._hf_generation_config())
+        self.stop_ids = model_stop_token_ids(self.tokenizer, self.model_path)
         self.eos_token_id = self.stop_ids[0]
         self._SamplingParams = vllm.SamplingParams
         # FlatLogprobs (vLLM >= 0.11) avoids one dict and one Logprob object per token
         self._flat = "flat_logprobs" in inspect.signature(vllm.SamplingParams).parameters
-
-    def _hf_generation_config(self):
-        try:
-            from transformers import GenerationConfig
-
-            return GenerationConfig.from_pretrained(self.model_path)
-        except OSError:  # no generation_config.json
-            return None
 
     def lora_for(self, version: int):
         """Put adapter ``version`` in place for the next call: the LoRARequest to pass (request mode),
@@ -276,6 +268,7 @@ class VLLMEngine:
 
     def _params(self, **kw):
         extra = {"flat_logprobs": True} if self._flat else {}
+        extra["stop_token_ids"] = list(self.stop_ids)  # vLLM's own set can lack config.json's (model_stop_token_ids)
         if self.stop:  # vLLM stops early on them (it needs the text for that); the cut is the kit's own
             extra.update(stop=list(self.stop), include_stop_str_in_output=True, detokenize=True)
         else:
@@ -381,6 +374,20 @@ def _quiet(name: str, level: int = logging.WARNING):
         logger.setLevel(before)
         for lg, lv in saved:
             lg.setLevel(lv)
+
+
+def model_stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """:func:`grpo_kit.rollout.stop_token_ids` of the checkpoint at ``model_path``: its
+    ``generation_config.json``, and its ``config.json`` where that names no EOS or is missing. vLLM
+    reads ``config.json`` only when ``generation_config.json`` is missing, so the engine passes
+    these ids to every request (``stop_token_ids``): it stops at exactly the ids it reports as EOS."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json
+        generation = None
+    return stop_token_ids(tokenizer, generation, AutoConfig.from_pretrained(model_path))
 
 
 def _build_llm(vllm, **kw):

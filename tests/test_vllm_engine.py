@@ -22,7 +22,15 @@ from grpo_kit.vllm_engine import import_vllm
 
 pytest.importorskip("vllm")
 
-from test_rollout import assert_aligned, assert_contract, dlogp, perturbed_adapter, scorer  # noqa: E402  (pytest puts tests/ on sys.path)
+from test_rollout import (  # noqa: E402  (pytest puts tests/ on sys.path)
+    assert_aligned,
+    assert_contract,
+    config_eos_case,
+    copy_with_config_eos,
+    dlogp,
+    perturbed_adapter,
+    scorer,
+)
 
 MAX_NEW = 48
 
@@ -314,3 +322,30 @@ def test_lora_ranks_vllm_does_not_accept_are_rounded_up(tiny_path, tmp_path):
     finally:
         engine.close()
     assert_aligned(dlogp(scorer(tiny_path, s, 1), out), min_tokens=16)
+
+
+def test_config_json_eos_ends_completions(tiny_path, problems, tmp_path):
+    """A model without generation_config.json whose config.json names an extra EOS id: vLLM stops
+    at it (it builds its generation config from config.json), and the engine must report such a
+    completion as stopped, not truncated. (With a generation_config.json that names no EOS, vLLM
+    alone would not stop there: the engine passes its stop ids to every request.)"""
+    from transformers import AutoTokenizer
+
+    from grpo_kit.vllm_engine import VLLMEngine, model_stop_token_ids
+
+    hf = HFEngine(tiny_path)
+    extra, want = config_eos_case(hf, problems)  # a token of the base model's greedy answer, and the answer up to it
+    hf.close()
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    path = copy_with_config_eos(tiny_path, tmp_path / "missing", extra, "missing")
+    assert model_stop_token_ids(tok, str(path)) == [tok.eos_token_id, extra]
+    no_eos = copy_with_config_eos(tiny_path, tmp_path / "without-eos", extra, "without-eos")
+    assert model_stop_token_ids(tok, no_eos) == [tok.eos_token_id, extra]
+
+    engine = VLLMEngine(path, max_batch_seqs=8)
+    try:
+        r = engine.greedy(problems[:1], 0, max_new_tokens=MAX_NEW)[0]
+    finally:
+        engine.close()
+    assert r.completion_ids == want and r.finish_reason == "stop" and not r.truncated
+    assert r.text == tok.decode(want[:-1])
