@@ -217,6 +217,7 @@ class AdapterStore:
         try:
             self._write_bytes(f"{vpath}/{MANIFEST}", _json_bytes(manifest), exclusive=True)
         except FileExistsError:  # another writer finished the same version first: ours are leftovers
+            self.fs.invalidate_cache(vpath)
             try:
                 self.fs.rm(f"{vpath}/{attempt}", recursive=True)
             except OSError:  # best effort: delete() removes whatever is left with the version
@@ -321,7 +322,7 @@ class AdapterStore:
             dest = os.path.join(self._cache_root(), f"v{version:06d}")
             try:
                 if fd is None:  # waits while another process removes its copy, then downloads anew
-                    fd = _flock(_lock_path(dest), exclusive=False)
+                    fd = _hold_shared(_lock_path(dest))
                 if not (os.path.isdir(dest) and self._cached_ok(dest, man)):
                     self._download(version, man, dest)
             except BaseException:
@@ -493,22 +494,17 @@ def _lock_path(entry: str) -> str:
     return os.path.join(head, f".{tail}.lock")
 
 
-def _flock(path: str, exclusive: bool, blocking: bool = True) -> int | None:
-    """An open fd of ``path`` (created if missing) holding a shared or exclusive ``flock`` on it, or
-    None when ``blocking`` is false and another holder conflicts. The fd locks the file that is at
-    ``path`` when it returns: a remover unlinks the lock file while holding it exclusively, so a
-    waiter that got the lock of an unlinked file opens the path again."""
-    op = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if blocking else fcntl.LOCK_NB)
+def _hold_shared(path: str) -> int:
+    """An open fd of the lock file ``path`` (created if missing) holding a shared ``flock`` on it;
+    waits while a remover holds it exclusively. The fd locks the file that is at ``path`` when it
+    returns: a remover unlinks the lock file while holding it, so a waiter that got the lock of an
+    unlinked file opens the path again."""
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, op)
-            got = os.fstat(fd)
-            now = os.stat(path)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except FileNotFoundError:  # unlinked between our flock and stat: try the new one
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            got, now = os.fstat(fd), os.stat(path)
+        except FileNotFoundError:  # unlinked between our flock and stat: lock the new one
             os.close(fd)
             continue
         except BaseException:
