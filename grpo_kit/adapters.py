@@ -4,16 +4,23 @@ The trainer publishes each adapter under an integer ``version``; rollout workers
 into a per-process cache directory that ``PeftModel.from_pretrained`` and vLLM's
 ``LoRARequest(path)`` both accept. Layout under ``root``::
 
-    adapters/v000123/adapter_model.safetensors
-    adapters/v000123/adapter_config.json     (and any other file the adapter directory held)
-    adapters/v000123/manifest.json           version, parent, created (unix s), sha256 per file, meta
+    adapters/v000123/<attempt>/adapter_model.safetensors
+    adapters/v000123/<attempt>/adapter_config.json   (and any other file the adapter directory held)
+    adapters/v000123/manifest.json           version, parent, created (unix s), attempt, per file: sha256
+                                             and key (its path under v000123/), meta
     state/<name>.pt                          save_state / load_state (torch.save; weights_only load)
     state/<name>.json                        write_json / read_json
 
 The manifest is written last, so a version without one does not exist: ``versions()`` skips it and
-``fetch`` refuses it; a later ``publish`` of that version overwrites the leftovers. A version with
-a manifest is immutable: ``publish`` refuses to overwrite it, and ``fetch`` checks every file's
-sha256 against the manifest before returning a path. Single-file writes (manifest, JSON, state) are
+``fetch`` refuses it. Each publish attempt uploads its files under its own random ``<attempt>``
+folder and its manifest names them, so two attempts at one version (a retried task whose first try
+still runs) never write the same object: whichever manifest lands, the files it names are its own
+attempt's, and a losing attempt's uploads, however late, land beside them. A loser removes its
+files when its manifest is refused; ``delete`` removes the whole version folder, every attempt's
+leftovers included. Stores written before attempts had folders (manifest ``format`` 1: files
+directly under ``v000123/``) are read as before. A version with a manifest is immutable:
+``publish`` refuses to overwrite it, and ``fetch`` checks every file's sha256 against the manifest
+before returning a path. Single-file writes (manifest, JSON, state) are
 atomic from a reader's view: a temp file and a rename on a local disk, one PUT on object stores.
 Nothing is unpickled from the store except through ``torch.load(weights_only=True)``.
 
@@ -29,6 +36,7 @@ The options travel with the store when it is pickled to Dask workers.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import io
 import json
@@ -39,15 +47,19 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+"""2: each file's ``key`` (its path under the version folder, in the attempt's folder); 1: no keys,
+files directly in the version folder (still read)."""
 REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _VERSION_DIR = re.compile(r"v(\d+)")
+_ATTEMPT = re.compile(r"[0-9a-f]{16}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 _CHUNK = 1 << 20
 
@@ -95,6 +107,12 @@ class AdapterStore:
     recently fetched one (a long run would otherwise keep every version it ever sampled from, about
     175 MB each for an 8B model at r16). Callers read a fetched directory right away (engines and
     trainers load the adapter into memory), and fetching it again re-downloads an evicted version.
+
+    Processes may share a ``cache_dir``: each holds a shared ``flock`` on a version's lock file
+    (``.v000123.lock`` beside it) from its fetch until it evicts that version, and eviction removes
+    a copy only when it gets the lock exclusively, so no process removes a copy another one still
+    holds; the last holder to evict it removes it. A store that is garbage-collected lets go of its
+    holds (its copies then stay on disk until some process fetches and evicts them again).
     """
 
     def __init__(self, root: str, storage_options: dict | None = None, cache_dir: str | None = None,
@@ -111,10 +129,16 @@ class AdapterStore:
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
+        held = getattr(self, "_held", None)
+        if held is not None:  # forked: the parent's holds are the parent's (closing ours keeps them)
+            self._finalizer.detach()
+            _close_all(held)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._version_locks: dict[int, threading.Lock] = {}
         self._fetched: dict[int, str] = {}
+        self._held: dict[int, int] = {}  # version -> fd of its lock file, shared flock held
+        self._finalizer = weakref.finalize(self, _close_all, self._held)
         self._manifests: dict[int, dict] = {}
 
     def __reduce__(self):
@@ -152,9 +176,10 @@ class AdapterStore:
     def publish_dir(self, local_dir: str, version: int, meta: dict | None = None, parent: int | None = None) -> str:
         """Publish an adapter directory already saved with ``save_pretrained`` as ``version``; returns its URL.
 
-        Every top-level file is uploaded, then the manifest. Refuses a version that has a manifest.
-        Of two writers racing on one version exactly one manifest lands (the other gets
-        :class:`VersionExistsError`); a file the loser overwrote fails ``fetch``'s checksum, never silently.
+        Every top-level file is uploaded into this attempt's own folder, then the manifest naming
+        them. Refuses a version that has a manifest. Of two writers racing on one version exactly
+        one manifest lands; the other gets :class:`VersionExistsError` and removes its own files.
+        Neither writes the other's files, so the version that lands verifies whatever the loser did.
         """
         _check_version(version)
         if parent is not None:
@@ -171,24 +196,32 @@ class AdapterStore:
             raise self._exists_error(version)
 
         vpath = self._version_path(version)
+        attempt = uuid.uuid4().hex[:16]
         if self._local:
-            self.fs.makedirs(vpath, exist_ok=True)
+            self.fs.makedirs(f"{vpath}/{attempt}", exist_ok=True)
         files = {}
         for name in names:
             local = os.path.join(local_dir, name)
-            files[name] = {"sha256": _sha256_file(local), "size": os.path.getsize(local)}
-            self.fs.put_file(local, f"{vpath}/{name}")
+            key = f"{attempt}/{name}"
+            files[name] = {"sha256": _sha256_file(local), "size": os.path.getsize(local), "key": key}
+            self.fs.put_file(local, f"{vpath}/{key}")
         manifest = {
             "format": MANIFEST_FORMAT,
             "version": version,
             "parent": parent,
             "created": time.time(),
+            "attempt": attempt,
             "files": files,
             "meta": meta,
         }
         try:
             self._write_bytes(f"{vpath}/{MANIFEST}", _json_bytes(manifest), exclusive=True)
-        except FileExistsError:  # another writer finished the same version first
+        except FileExistsError:  # another writer finished the same version first: ours are leftovers
+            self.fs.invalidate_cache(vpath)
+            try:
+                self.fs.rm(f"{vpath}/{attempt}", recursive=True)
+            except OSError:  # best effort: delete() removes whatever is left with the version
+                pass
             raise self._exists_error(version) from None
         return self.version_url(version)
 
@@ -250,8 +283,9 @@ class AdapterStore:
 
     def delete(self, version: int) -> None:
         """Remove a published ``version`` (retention: :mod:`grpo_kit.retention`): the manifest first,
-        so the version stops existing before any of its files go, then the files. A missing version
-        is a no-op. Copies other processes fetched stay in their caches until evicted."""
+        so the version stops existing before any of its files go, then its whole folder (every
+        attempt's files, a losing or crashed attempt's leftovers too). A missing version is a no-op.
+        Copies other processes fetched stay in their caches until evicted."""
         vpath = self._version_path(version)
         man = f"{vpath}/{MANIFEST}"
         self.fs.invalidate_cache(vpath)
@@ -269,7 +303,9 @@ class AdapterStore:
     def fetch(self, version: int) -> str:
         """A local directory holding ``version``, every file checked against the manifest's sha256.
 
-        Cached per process: a second fetch of the same version returns the same path at once.
+        Cached per process: a second fetch of the same version returns the same path at once. The
+        copy stays on disk until this store evicts it, whatever other processes sharing
+        ``cache_dir`` evict (class docstring).
         """
         self._check_process()
         _check_version(version)
@@ -281,17 +317,27 @@ class AdapterStore:
                 if hit is not None and os.path.isdir(hit):
                     self._fetched[version] = hit  # most recently used last
                     return hit
+                fd = self._held.pop(version, None)
             man = self.manifest(version)
             dest = os.path.join(self._cache_root(), f"v{version:06d}")
-            if not (os.path.isdir(dest) and self._cached_ok(dest, man)):
-                self._download(version, man, dest)
+            try:
+                if fd is None:  # waits while another process removes its copy, then downloads anew
+                    fd = _hold_shared(_lock_path(dest))
+                if not (os.path.isdir(dest) and self._cached_ok(dest, man)):
+                    self._download(version, man, dest)
+            except BaseException:
+                if fd is not None:
+                    os.close(fd)
+                raise
             with self._lock:
                 self._fetched[version] = dest
+                self._held[version] = fd
         self._evict()
         return dest
 
     def _evict(self) -> None:
-        """Remove the least recently fetched versions beyond ``cache_versions`` from the cache."""
+        """Let go of the least recently fetched versions beyond ``cache_versions``, removing each
+        copy unless another holder (a process or store sharing ``cache_dir``) still has it."""
         with self._lock:
             old = list(self._fetched)[: max(0, len(self._fetched) - self.cache_versions)]
             gone = [(v, self._fetched.pop(v)) for v in old]
@@ -301,8 +347,10 @@ class AdapterStore:
             with self._lock:
                 lock = self._version_locks.setdefault(v, threading.Lock())
             with lock:
-                if v not in self._fetched:  # not fetched again meanwhile
-                    shutil.rmtree(path, ignore_errors=True)
+                with self._lock:
+                    fd = None if v in self._fetched else self._held.pop(v, None)  # not fetched again meanwhile
+                if fd is not None:
+                    _remove_unless_held(path, fd)
             with self._lock:
                 if v not in self._fetched and not lock.locked():
                     self._version_locks.pop(v, None)
@@ -316,7 +364,7 @@ class AdapterStore:
             for name, info in man["files"].items():
                 local = os.path.join(tmp, name)
                 try:
-                    self.fs.get_file(f"{vpath}/{name}", local)
+                    self.fs.get_file(f"{vpath}/{_file_key(version, name, info)}", local)
                 except FileNotFoundError:
                     raise ChecksumError(
                         f"adapter version {version}: {name} is listed in the manifest but missing from the store"
@@ -329,7 +377,9 @@ class AdapterStore:
                     )
             with open(os.path.join(tmp, MANIFEST), "wb") as f:
                 f.write(_json_bytes(man))
-            if os.path.isdir(dest):  # a stale or corrupt copy from an earlier run
+            # A stale or corrupt copy from an earlier run goes; a good one (another process sharing
+            # cache_dir renamed its download in meanwhile, and may be reading it) stays.
+            if os.path.isdir(dest) and not self._cached_ok(dest, man):
                 shutil.rmtree(dest, ignore_errors=True)
             try:
                 os.rename(tmp, dest)
@@ -426,6 +476,70 @@ def _check_version(version: int) -> int:
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}")
     return version
+
+
+def _file_key(version: int, name: str, info: dict) -> str:
+    """Where a manifest's file lives under its version folder: its ``key`` (format 2: in the
+    attempt's folder), or its name (format 1)."""
+    key = info.get("key", name)
+    attempt, _, base = key.rpartition("/")
+    if base != name or not (attempt == "" or _ATTEMPT.fullmatch(attempt)):
+        raise ChecksumError(f"adapter version {version}: the manifest puts {name} at {key!r}, outside an attempt folder")
+    return key
+
+
+def _lock_path(entry: str) -> str:
+    """The lock file of a cached version directory: ``.v000123.lock`` beside ``v000123``."""
+    head, tail = os.path.split(entry)
+    return os.path.join(head, f".{tail}.lock")
+
+
+def _hold_shared(path: str) -> int:
+    """An open fd of the lock file ``path`` (created if missing) holding a shared ``flock`` on it;
+    waits while a remover holds it exclusively. The fd locks the file that is at ``path`` when it
+    returns: a remover unlinks the lock file while holding it, so a waiter that got the lock of an
+    unlinked file opens the path again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            got, now = os.fstat(fd), os.stat(path)
+        except FileNotFoundError:  # unlinked between our flock and stat: lock the new one
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if (got.st_dev, got.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+        os.close(fd)
+
+
+def _remove_unless_held(entry: str, fd: int) -> None:
+    """Give up our shared hold ``fd`` on a cached version directory, removing the directory and its
+    lock file if no one else holds it (we then hold the lock exclusively while removing)."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # shared -> exclusive, or fail if others hold it
+        except BlockingIOError:
+            return  # still held elsewhere: its last holder removes it
+        shutil.rmtree(entry, ignore_errors=True)
+        try:
+            os.unlink(_lock_path(entry))
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
+
+
+def _close_all(held: dict[int, int]) -> None:
+    """Close the lock fds of a store's held versions (letting go of the holds; nothing is removed)."""
+    for fd in held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    held.clear()
 
 
 def _sha256_file(path: str) -> str:

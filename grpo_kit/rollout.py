@@ -195,15 +195,23 @@ def check_request(n: int, version: int, max_new_tokens: int, temperature: float,
         )
 
 
-def stop_token_ids(tokenizer, generation_config=None) -> list[int]:
-    """The tokenizer's EOS plus any the model's generation config lists (vLLM stops on both)."""
+def stop_token_ids(tokenizer, generation_config=None, model_config=None) -> list[int]:
+    """The ids a completion ends at: the tokenizer's EOS plus those the model's generation config
+    names (``generation_config.json``), or, where it names none or the model has none, those of its
+    model config (``config.json``'s ``eos_token_id``, an int or a list; vLLM and transformers build
+    the generation config from it when ``generation_config.json`` is missing). Both engines stop
+    on every one of them."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    extra = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    extra = getattr(generation_config, "eos_token_id", None)
+    if extra is None and model_config is not None:
+        extra = getattr(model_config, "eos_token_id", None)
+        if extra is None and hasattr(model_config, "get_text_config"):  # multimodal: the decoder's
+            extra = getattr(model_config.get_text_config(), "eos_token_id", None)
     for t in [extra] if isinstance(extra, int) else list(extra or []):
         if t not in ids:
             ids.append(t)
     if not ids:
-        raise ValueError("the tokenizer has no eos_token and the model's generation config names none")
+        raise ValueError("the tokenizer has no eos_token and the model's generation config and config name none")
     return ids
 
 
@@ -261,7 +269,7 @@ class HFEngine:
         if context is not None and max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
         self.max_model_len = max_model_len
-        self.stop_ids = stop_token_ids(self.tokenizer, model.generation_config)
+        self.stop_ids = stop_token_ids(self.tokenizer, model.generation_config, model.config)
         self.eos_token_id = self.stop_ids[0]
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_id

@@ -12,7 +12,8 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   LoRA and, when a call asks for another version than the one loaded, reloads the checkpoint with
   ``W + (alpha/r) B A`` for the adapter's target modules (vLLM's ``reload_weights``, which also
   repacks the CPU kernels' weights), then empties the prefix cache so no cached block of the
-  previous policy is reused. It keeps a copy of the base checkpoint in host memory for that. Calls
+  previous policy is reused. An embedding's delta is ``(alpha/r) (B A)^T`` (PEFT's layout); one on
+  a model whose embedding is tied to its output layer is refused (merged, it would change both). It keeps a copy of the base checkpoint in host memory for that. Calls
   take a lock (one at a time, whatever the worker's thread count), so each samples from exactly the
   version it names. On CPU vLLM's LoRA path is the slow part (``bench/engines.py`` measures both
   modes), so ``"auto"`` means merged on CPU and request on GPU. Merging is
@@ -171,6 +172,7 @@ class VLLMEngine:
             raise ValueError("lora_mode='merged' loads weights into the model in this process: use in_process=True")
         self._loaded_version = 0
         self._base_weights: dict | None = None
+        self._tied_embeddings: bool | None = None  # read on the first merge
         self._lock = threading.Lock()  # one call at a time: in merged mode a call owns the weights
         if on_cpu:
             # A partially prefilled request has its sampled token discarded and its seeded generator
@@ -222,19 +224,11 @@ class VLLMEngine:
         self._cpu_threads = cpu_threads if on_cpu else None
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)
-        self.stop_ids = stop_token_ids(self.tokenizer, self._hf_generation_config())
+        self.stop_ids = model_stop_token_ids(self.tokenizer, self.model_path)
         self.eos_token_id = self.stop_ids[0]
         self._SamplingParams = vllm.SamplingParams
         # FlatLogprobs (vLLM >= 0.11) avoids one dict and one Logprob object per token
         self._flat = "flat_logprobs" in inspect.signature(vllm.SamplingParams).parameters
-
-    def _hf_generation_config(self):
-        try:
-            from transformers import GenerationConfig
-
-            return GenerationConfig.from_pretrained(self.model_path)
-        except OSError:  # no generation_config.json
-            return None
 
     def lora_for(self, version: int):
         """Put adapter ``version`` in place for the next call: the LoRARequest to pass (request mode),
@@ -251,7 +245,10 @@ class VLLMEngine:
         """Make the model's weights those of base + adapter ``version`` (merged mode)."""
         if version == self._loaded_version:
             return
-        deltas = {} if version == 0 else adapter_deltas(self.store.fetch(version))  # before touching the model
+        if version != 0 and self._tied_embeddings is None:
+            self._tied_embeddings = ties_word_embeddings(self.model_path)
+        # before touching the model
+        deltas = {} if version == 0 else adapter_deltas(self.store.fetch(version), tied_embeddings=self._tied_embeddings)
         if self._base_weights is None:  # the whole checkpoint: vLLM reloads (and repacks) every layer
             self._base_weights = base_weights(self.model_path)
         unknown = set(deltas) - set(self._base_weights)
@@ -276,6 +273,7 @@ class VLLMEngine:
 
     def _params(self, **kw):
         extra = {"flat_logprobs": True} if self._flat else {}
+        extra["stop_token_ids"] = list(self.stop_ids)  # vLLM's own set can lack config.json's (model_stop_token_ids)
         if self.stop:  # vLLM stops early on them (it needs the text for that); the cut is the kit's own
             extra.update(stop=list(self.stop), include_stop_str_in_output=True, detokenize=True)
         else:
@@ -383,6 +381,20 @@ def _quiet(name: str, level: int = logging.WARNING):
             lg.setLevel(lv)
 
 
+def model_stop_token_ids(tokenizer, model_path: str) -> list[int]:
+    """:func:`grpo_kit.rollout.stop_token_ids` of the checkpoint at ``model_path``: its
+    ``generation_config.json``, and its ``config.json`` where that names no EOS or is missing. vLLM
+    reads ``config.json`` only when ``generation_config.json`` is missing, so the engine passes
+    these ids to every request (``stop_token_ids``): it stops at exactly the ids it reports as EOS."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # no generation_config.json
+        generation = None
+    return stop_token_ids(tokenizer, generation, AutoConfig.from_pretrained(model_path))
+
+
 def _build_llm(vllm, **kw):
     """``vllm.LLM(**kw)``; a KV cache that does not fit in memory names the number to change."""
     try:
@@ -471,8 +483,23 @@ def vllm_lora_rank(r: int) -> int:
     raise ValueError(f"LoRA rank {r} exceeds vLLM's largest max_lora_rank ({VLLM_LORA_RANKS[-1]})")
 
 
-def adapter_deltas(path: str) -> dict:
-    """``{hf weight name: (alpha / r) * B @ A}`` in float32 for a PEFT LoRA adapter directory."""
+def ties_word_embeddings(model_path: str) -> bool:
+    """Whether the checkpoint at ``model_path`` shares one matrix between its input embedding and
+    its output layer (``tie_word_embeddings``; vLLM loads it once for both)."""
+    from transformers import AutoConfig
+
+    conf = AutoConfig.from_pretrained(model_path)
+    text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    return bool(getattr(conf, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+
+def adapter_deltas(path: str, tied_embeddings: bool = False) -> dict:
+    """``{hf weight name: delta}`` in float32 for a PEFT LoRA adapter directory: ``(alpha / r) * B @ A``
+    for a linear layer, ``(alpha / r) * (B @ A).T`` for an embedding (PEFT stores its A as
+    ``(r, num_embeddings)`` and its B as ``(embedding_dim, r)``, the delta is ``(num_embeddings,
+    embedding_dim)``). An embedding LoRA of a model that ties its embedding to its output layer
+    (``tied_embeddings``) raises: merged, the delta would change the output layer too, which the
+    trainer's unmerged adapter leaves alone."""
     import json
 
     from safetensors.torch import load_file
@@ -487,12 +514,23 @@ def adapter_deltas(path: str) -> dict:
     sd = load_file(os.path.join(path, "adapter_model.safetensors"))
     deltas = {}
     for key, a in sd.items():
-        if ".lora_A." not in key:
+        if ".lora_A." in key:  # a linear layer: A (r, in), B (out, r)
+            module, b = key.split(".lora_A.")[0], sd[key.replace(".lora_A.", ".lora_B.")]
+            delta = b.float() @ a.float()
+        elif key.endswith(".lora_embedding_A"):  # an embedding: A (r, num_embeddings), B (embedding_dim, r)
+            module, b = key[: -len(".lora_embedding_A")], sd[key[: -len("A")] + "B"]
+            delta = (b.float() @ a.float()).T
+            if tied_embeddings:
+                raise ValueError(
+                    f"lora_mode='merged': the adapter in {path} has a LoRA on {module.split('.')[-1]}, the input "
+                    "embedding of a model that ties it to its output layer (tie_word_embeddings): merged, the "
+                    "delta would change the output layer too, which the trainer's adapter does not. Use "
+                    "lora_mode='request', or leave the embedding out of lora_targets"
+                )
+        else:
             continue
-        module = key.split(".lora_A.")[0]
         module = module[len("base_model.model."):] if module.startswith("base_model.model.") else module
-        b = sd[key.replace(".lora_A.", ".lora_B.")]
-        deltas[module + ".weight"] = scale * (b.float() @ a.float())
+        deltas[module + ".weight"] = scale * delta
     if not deltas:
         raise ValueError(f"no LoRA A/B pairs in {path}")
     return deltas

@@ -153,6 +153,82 @@ def test_racing_writers_one_manifest_wins(store, adapter_dir, monkeypatch):
     assert store.manifest(4)["meta"] == {"writer": 1} and store.versions() == [4]
 
 
+def stored_files(store, version: int) -> list[str]:
+    """Every object under ``version``'s folder in the store, relative to it."""
+    vpath = f"{store.path}/adapters/v{version:06d}"
+    store.fs.invalidate_cache(vpath)
+    try:
+        return sorted(p[len(vpath) + 1:] for p in store.fs.find(vpath))
+    except FileNotFoundError:
+        return []
+
+
+def test_losing_attempts_late_upload_leaves_the_committed_version_intact(make_store, adapter_dir, tmp_path, monkeypatch):
+    """Two attempts at one version (a retried task whose first try still runs): attempt A uploads its
+    files and its manifest lands; attempt B passed the existence check before that, so its uploads
+    of other weights land after A's manifest. The committed version must verify and fetch in a
+    fresh process (a resumed run) whatever B did; B's files go with the version when it is deleted."""
+    a, b = make_store(), make_store(cache_dir=str(tmp_path / "b-cache"))
+    other = tmp_path / "other-adapter"
+    tiny_peft(seed=2).save_pretrained(str(other))
+    a.publish_dir(adapter_dir, 3, meta={"attempt": "a"})
+    ids = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(3))
+
+    def check_committed(fresh):
+        assert fresh.versions() == [3] and fresh.manifest(3)["meta"] == {"attempt": "a"}
+        path = fresh.fetch(3)  # ChecksumError when B's upload had replaced A's weights
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            with open(os.path.join(path, name), "rb") as got, open(os.path.join(adapter_dir, name), "rb") as want:
+                assert got.read() == want.read(), name
+        torch.testing.assert_close(logits(PeftModel.from_pretrained(tiny_base(), path).eval(), ids),
+                                   logits(tiny_peft(), ids), rtol=0, atol=0)
+
+    monkeypatch.setattr(b, "exists", lambda version: False)  # B checked before A's manifest landed
+    with pytest.raises(VersionExistsError, match="version 3 already exists"):
+        b.publish_dir(str(other), 3, meta={"attempt": "b"})  # B's uploads land, then its manifest is refused
+    check_committed(make_store(cache_dir=str(tmp_path / "resumed-cache")))  # nothing cached: a fresh process
+    n = len(a.manifest(3)["files"])
+    assert len(stored_files(a, 3)) == 1 + n  # the loser removed its own files
+
+    real_write = b._write_bytes
+
+    def crash_before_manifest(path, data, exclusive=False):  # B dies between its uploads and its manifest
+        if path.endswith("/manifest.json"):
+            raise RuntimeError("simulated crash")
+        return real_write(path, data, exclusive)
+
+    monkeypatch.setattr(b, "_write_bytes", crash_before_manifest)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        b.publish_dir(str(other), 3, meta={"attempt": "b"})
+    monkeypatch.undo()
+    resumed = make_store(cache_dir=str(tmp_path / "resumed-again"))
+    check_committed(resumed)
+    assert len(stored_files(a, 3)) == 1 + 2 * n  # B's leftovers are in the store beside A's files
+
+    resumed.delete(3)  # retention: every attempt's files go, the leftovers too
+    assert stored_files(resumed, 3) == [] and resumed.versions() == []
+
+
+def test_old_layout_versions_still_fetch(store, adapter_dir):
+    """Stores written before each attempt had its own folder (manifest format 1, files directly in
+    the version folder, no keys) are read as before."""
+    import hashlib
+
+    vpath = f"{store.path}/adapters/v000002"
+    store.fs.makedirs(vpath, exist_ok=True)  # a local directory; nothing on S3
+    files = {}
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        data = open(os.path.join(adapter_dir, name), "rb").read()
+        store.fs.pipe_file(f"{vpath}/{name}", data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    manifest = {"format": 1, "version": 2, "parent": None, "created": time.time(), "files": files, "meta": {}}
+    store.fs.pipe_file(f"{vpath}/manifest.json", json.dumps(manifest).encode())
+    assert store.versions() == [2]
+    path = store.fetch(2)
+    assert open(os.path.join(path, "adapter_model.safetensors"), "rb").read() == \
+        open(os.path.join(adapter_dir, "adapter_model.safetensors"), "rb").read()
+
+
 def test_missing_version(store, adapter_dir):
     with pytest.raises(VersionNotFoundError, match="no published versions"):
         store.fetch(0)
@@ -169,7 +245,7 @@ def test_missing_version(store, adapter_dir):
 
 def test_tampered_file_fails_verification(store, adapter_dir):
     url = store.publish_dir(adapter_dir, 0)
-    target = f"{url}/adapter_model.safetensors"
+    target = f"{url}/{store.manifest(0)['files']['adapter_model.safetensors']['key']}"
     data = bytearray(store.fs.cat_file(target))
     data[-1] ^= 0xFF
     store.fs.pipe_file(target, bytes(data))
@@ -340,3 +416,64 @@ def test_fetch_cache_keeps_the_last_few_versions(make_store, adapter_dir, tmp_pa
     assert pickle.loads(pickle.dumps(s)).cache_versions == 3
     with pytest.raises(ValueError, match="cache_versions"):
         AdapterStore(str(tmp_path / "x"), cache_versions=0)
+
+
+def evict_in_another_process(root: str, cache_dir: str, versions: list[int]) -> None:
+    """A second process sharing ``cache_dir``: keeps one version and fetches ``versions`` in turn,
+    so it evicts every one but the last (a multiprocessing target)."""
+    s = AdapterStore(root, cache_dir=cache_dir, cache_versions=1)
+    for v in versions:
+        s.fetch(v)
+
+
+def test_eviction_spares_a_copy_another_process_holds(adapter_dir, tmp_path):
+    """Two processes share cache_dir: this one fetched v1 and is about to load it while the other
+    fetches v1, v2, v3 with room for one version. The other's eviction must leave this one's copy
+    alone; once no process holds a version, evicting it removes it (and its lock file)."""
+    import multiprocessing
+
+    root, cache = str(tmp_path / "store"), str(tmp_path / "shared-cache")
+    writer = AdapterStore(root)
+    for v in (1, 2, 3):
+        writer.publish_dir(adapter_dir, v)
+    holder = AdapterStore(root, cache_dir=cache, cache_versions=1)
+    path = holder.fetch(1)
+
+    proc = multiprocessing.get_context("spawn").Process(target=evict_in_another_process, args=(root, cache, [1, 2, 3]))
+    proc.start()
+    proc.join(timeout=300)
+    assert proc.exitcode == 0
+
+    # the holder's copy survived the other process's eviction and loads
+    assert sorted(os.listdir(path)) == sorted([*os.listdir(adapter_dir), "manifest.json"])
+    for name in os.listdir(adapter_dir):
+        with open(os.path.join(path, name), "rb") as got, open(os.path.join(adapter_dir, name), "rb") as want:
+            assert got.read() == want.read(), name
+    PeftModel.from_pretrained(tiny_base(), path)
+    entries = lambda: sorted(os.listdir(os.path.dirname(path)))  # noqa: E731
+    assert entries() == [".v000001.lock", ".v000003.lock", "v000001", "v000003"]  # v2: nobody held it
+    holder.fetch(3)  # evicts v1, which no other process holds now
+    assert entries() == [".v000003.lock", "v000003"]
+
+
+def test_concurrent_download_keeps_the_copy_another_process_reads(adapter_dir, tmp_path, monkeypatch):
+    """Two stores sharing cache_dir fetch one version at once: the second one's download, finishing
+    after the first put its copy in place, must not replace the copy the first one is reading."""
+    root, cache = str(tmp_path / "store"), str(tmp_path / "shared-cache")
+    AdapterStore(root).publish_dir(adapter_dir, 1)
+    first, second = (AdapterStore(root, cache_dir=cache) for _ in range(2))
+    path = first.fetch(1)
+    weights = os.path.join(path, "adapter_model.safetensors")
+    inode = os.stat(weights).st_ino
+
+    checks = []
+    real_ok = AdapterStore._cached_ok
+
+    def missed_once(dest, man):  # the second store looked before the first one's copy was in place
+        checks.append(dest)
+        return False if len(checks) == 1 else real_ok(dest, man)
+
+    monkeypatch.setattr(second, "_cached_ok", missed_once)
+    assert second.fetch(1) == path
+    assert os.stat(weights).st_ino == inode  # still the first store's file, never removed under it
+    assert len(checks) > 1  # the second store did download (and found the first one's copy good)

@@ -53,6 +53,27 @@ def test_sweep_prunes_what_a_crash_left(tmp_path):
     assert store.versions() == [6, 7]
 
 
+def test_pruning_removes_every_attempts_files(tmp_path, monkeypatch):
+    """A version two publish attempts wrote to (the loser crashed after its uploads, before its
+    manifest) is pruned whole: the committed attempt's files and the loser's leftovers."""
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in range(1, 5):
+        _publish(store, tmp_path, v)
+    monkeypatch.setattr(store, "exists", lambda version: False)  # the loser checked before v1 landed
+
+    def crash(*args, **kwargs):  # the loser dies before its manifest
+        raise RuntimeError("crash")
+
+    monkeypatch.setattr(store, "_write_bytes", crash)
+    with pytest.raises(RuntimeError, match="crash"):
+        store.publish_dir(str(tmp_path / "src1"), 1)
+    monkeypatch.undo()
+    v1 = tmp_path / "store" / "adapters" / "v000001"
+    assert len([p for p in v1.rglob("*") if p.is_file()]) == 5  # manifest, and two attempts' two files
+    retention.Pruner(store, keep_versions=2, keep_every=0).sweep(4)
+    assert store.versions() == [3, 4] and not v1.exists()
+
+
 def test_keep_versions_must_exceed_the_pipeline_depth():
     with pytest.raises(ValueError, match="pipeline depth"):
         config.profile("tiny", keep_versions=1, max_staleness=1)

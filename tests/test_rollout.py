@@ -159,6 +159,62 @@ def test_bad_inputs(engine, tiny_path, problems):
         engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)
 
 
+def copy_with_config_eos(tiny_path: str, dest, extra_eos: int, generation_config: str):
+    """The tiny model copied to ``dest`` with ``config.json``'s ``eos_token_id`` set to ``[EOS,
+    extra_eos]`` and ``generation_config.json`` either ``"missing"`` or ``"without-eos"``; returns
+    ``dest`` as a string."""
+    import os
+    import shutil
+
+    os.makedirs(dest)
+    for name in os.listdir(tiny_path):
+        shutil.copy(os.path.join(tiny_path, name), os.path.join(dest, name))
+    conf = json.loads(open(os.path.join(dest, "config.json")).read())
+    conf["eos_token_id"] = [conf["eos_token_id"], extra_eos]
+    open(os.path.join(dest, "config.json"), "w").write(json.dumps(conf))
+    gen = os.path.join(dest, "generation_config.json")
+    if generation_config == "missing":
+        os.remove(gen)
+    else:
+        kept = {k: v for k, v in json.loads(open(gen).read()).items() if k != "eos_token_id"}
+        open(gen, "w").write(json.dumps(kept))
+    return str(dest)
+
+
+def config_eos_case(engine, problems):
+    """A token the base model's greedy answer to ``problems[0]`` holds after its first two, and
+    that answer: made an EOS id, the answer ends at it."""
+    ref = engine.greedy(problems[:1], 0, max_new_tokens=MAX_NEW)[0].completion_ids
+    extra = next(t for t in ref[2:] if t != engine.eos_token_id)
+    return extra, ref[: ref.index(extra) + 1]
+
+
+def test_stop_token_ids_read_config_json_when_the_generation_config_names_no_eos(engine, tiny_path, problems, tmp_path):
+    """A model whose ``config.json`` names EOS ids its generation config does not (or that has no
+    ``generation_config.json``): a completion ending at one of them stopped, it was not truncated."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from grpo_kit.rollout import stop_token_ids
+
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    extra, want = config_eos_case(engine, problems)
+    hf = HFEngine(copy_with_config_eos(tiny_path, tmp_path / "engine", extra, "without-eos"))
+    try:
+        r = hf.greedy(problems[:1], 0, max_new_tokens=MAX_NEW)[0]
+        assert r.completion_ids == want and r.finish_reason == "stop" and not r.truncated
+        assert r.text == tok.decode(want[:-1])
+        assert hf.stop_ids == [tok.eos_token_id, extra]
+    finally:
+        hf.close()
+
+    for case in ("missing", "without-eos"):
+        path = copy_with_config_eos(tiny_path, tmp_path / case, extra, case)
+        gen = None if case == "missing" else GenerationConfig.from_pretrained(path)
+        assert stop_token_ids(tok, gen, AutoConfig.from_pretrained(path)) == [tok.eos_token_id, extra]
+    # a generation config that names EOS ids wins over config.json's
+    assert stop_token_ids(tok, GenerationConfig(eos_token_id=[5, 6]), AutoConfig.from_pretrained(path)) == [1, 5, 6]
+
+
 # ----------------------------------------------------------------------------- alignment with the trainer
 
 

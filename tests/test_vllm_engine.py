@@ -22,7 +22,15 @@ from grpo_kit.vllm_engine import import_vllm
 
 pytest.importorskip("vllm")
 
-from test_rollout import assert_aligned, assert_contract, dlogp, perturbed_adapter, scorer  # noqa: E402  (pytest puts tests/ on sys.path)
+from test_rollout import (  # noqa: E402  (pytest puts tests/ on sys.path)
+    assert_aligned,
+    assert_contract,
+    config_eos_case,
+    copy_with_config_eos,
+    dlogp,
+    perturbed_adapter,
+    scorer,
+)
 
 MAX_NEW = 48
 
@@ -314,3 +322,114 @@ def test_lora_ranks_vllm_does_not_accept_are_rounded_up(tiny_path, tmp_path):
     finally:
         engine.close()
     assert_aligned(dlogp(scorer(tiny_path, s, 1), out), min_tokens=16)
+
+
+def test_config_json_eos_ends_completions(tiny_path, problems, tmp_path):
+    """A model without generation_config.json whose config.json names an extra EOS id: vLLM stops
+    at it (it builds its generation config from config.json), and the engine must report such a
+    completion as stopped, not truncated. (With a generation_config.json that names no EOS, vLLM
+    alone would not stop there: the engine passes its stop ids to every request.)"""
+    from transformers import AutoTokenizer
+
+    from grpo_kit.vllm_engine import VLLMEngine, model_stop_token_ids
+
+    hf = HFEngine(tiny_path)
+    extra, want = config_eos_case(hf, problems)  # a token of the base model's greedy answer, and the answer up to it
+    hf.close()
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    path = copy_with_config_eos(tiny_path, tmp_path / "missing", extra, "missing")
+    assert model_stop_token_ids(tok, str(path)) == [tok.eos_token_id, extra]
+    no_eos = copy_with_config_eos(tiny_path, tmp_path / "without-eos", extra, "without-eos")
+    assert model_stop_token_ids(tok, no_eos) == [tok.eos_token_id, extra]
+
+    engine = VLLMEngine(path, max_batch_seqs=8)
+    try:
+        r = engine.greedy(problems[:1], 0, max_new_tokens=MAX_NEW)[0]
+    finally:
+        engine.close()
+    assert r.completion_ids == want and r.finish_reason == "stop" and not r.truncated
+    assert r.text == tok.decode(want[:-1])
+
+
+def embedding_adapter(model_path: str, seed: int):
+    """A PEFT LoRA on ``embed_tokens`` and two projections with every A and B random (PEFT starts an
+    embedding's A, and a linear layer's B, at zero)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def untied_copy(tiny_path: str, dest) -> str:
+    """The tiny model with its own output layer (``tie_word_embeddings=False``; a random lm_head)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(tiny_path)
+    conf.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, config=conf, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    model.save_pretrained(str(dest))
+    for name in os.listdir(tiny_path):
+        if name.startswith("tokenizer") or name == "generation_config.json":
+            shutil.copy(os.path.join(tiny_path, name), os.path.join(dest, name))
+    return str(dest)
+
+
+def test_merged_embedding_lora_is_peft_merge(tiny_path, tmp_path):
+    """Merged mode with ``embed_tokens`` among the targets: base + delta is PEFT's own
+    ``merge_and_unload()`` for every weight (the embedding's LoRA was ignored, so the engine sampled
+    without it while the trainer applied it). On a model whose embedding is also its output layer,
+    merging cannot match the trainer's adapter: refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from grpo_kit.adapters import save_adapter
+    from grpo_kit.vllm_engine import adapter_deltas, base_weights, ties_word_embeddings
+
+    model_dir = untied_copy(tiny_path, tmp_path / "untied")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    save_adapter(embedding_adapter(model_dir, seed=4), str(adapter))
+    deltas = adapter_deltas(str(adapter), tied_embeddings=ties_word_embeddings(model_dir))
+    assert "model.embed_tokens.weight" in deltas
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(adapter))
+    merged = peft.merge_and_unload().state_dict()
+    base = base_weights(model_dir)
+    assert set(base) == set(merged) and "lm_head.weight" in base
+    for name, w in base.items():
+        got = w + deltas[name] if name in deltas else w
+        assert torch.allclose(got, merged[name], atol=1e-6, rtol=0), name
+        assert (name in deltas) == (not torch.equal(w, merged[name])), name
+
+    assert ties_word_embeddings(tiny_path) and not ties_word_embeddings(model_dir)
+    tied = tmp_path / "tied-adapter"
+    tied.mkdir()
+    save_adapter(embedding_adapter(tiny_path, seed=5), str(tied))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        adapter_deltas(str(tied), tied_embeddings=True)
+
+
+def test_merged_engine_samples_with_the_embedding_lora(tiny_path, tmp_path):
+    """A real merged-mode engine on the untied tiny model, adapter on embed_tokens: its log-probs are
+    the trainer's under the same adapter (without the embedding's delta they are not)."""
+    from grpo_kit.vllm_engine import VLLMEngine
+
+    model_dir = untied_copy(tiny_path, tmp_path / "untied")
+    s = AdapterStore(str(tmp_path / "store"))
+    s.publish(embedding_adapter(model_dir, seed=4), 1)
+    engine = VLLMEngine(model_dir, store=s, lora_mode="merged", max_batch_seqs=8)
+    try:
+        out = engine.generate(data.synthetic_problems(2, split="train"), 4, 1, max_new_tokens=MAX_NEW, seed=0)
+    finally:
+        engine.close()
+    assert_aligned(dlogp(scorer(model_dir, s, 1), out), min_tokens=32)
