@@ -1,12 +1,13 @@
 """Run untrusted Python in contained child processes: a whole program (:func:`run_python`), or a
 candidate function and the tests that judge it, each in its own sandbox (:func:`run_tests`).
 
-Each sandbox is ``python -I -S -c <launcher>`` started with :class:`subprocess.Popen` in a new
-session, an empty temporary working directory (removed after) and a scrubbed environment; it reads
-its job on stdin. No ``preexec_fn`` (not safe when the caller has threads, as a Dask worker does)
-and no ``SIGALRM`` (main thread only): all set-up happens inside the launcher, and the caller bounds
-it with a wall clock, so it is safe from any thread. The launcher (trusted code, before the program
-runs):
+One run is ``python -I -S -c <launcher>`` started with :class:`subprocess.Popen` in a new session
+and a scrubbed environment; it reads its jobs (one sandbox each) on stdin, one at a time, forking a
+keeper for each before it reads the next (so the candidate's processes never hold the tests' code
+or nonce), and each job gets an empty temporary working directory (removed after). No
+``preexec_fn`` (not safe when the caller has threads, as a Dask worker does) and no ``SIGALRM``
+(main thread only): all set-up happens inside the launcher, and the caller bounds it with a wall
+clock, so it is safe from any thread. Each keeper (trusted code, before the program runs):
 
 1. ``unshare`` new PID, network and mount namespaces (with a user namespace when not root). In the
    new network namespace only a downed loopback exists, so no connection of any kind gets out; in
@@ -237,8 +238,27 @@ def _read_exact(fd, n):
 _LAUNCHER = r'''
 import builtins, ctypes, json, os, resource, signal, sys
 ''' + _CODEC + r'''
-cfg = json.loads(sys.stdin.buffer.read()); status_fd = int(sys.argv[1])
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+fds = json.loads(sys.argv[1])  # per job: [status_fd, out_fd, *channel], in the order the jobs come on stdin
+def take(n):
+    data = b""
+    while len(data) < n:  # os.read, not a buffered stdin: nothing read ahead of the job
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            raise EOFError("the job ended early")
+        data += chunk
+    return data
+# One job at a time, each forked off before the next is read, so that no job's processes ever hold a
+# later job's code or nonce: the candidate's comes first and never sees the tests or their nonce.
+for i in range(len(fds)):
+    cfg = json.loads(take(int.from_bytes(take(8), "big")))
+    if i == len(fds) - 1 or os.fork() == 0:
+        break
+    del cfg
+for fd in {f for job in fds for f in job} - set(fds[i]):
+    os.close(fd)
+status_fd, out_fd = fds[i][:2]
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0); os.dup2(out_fd, 1); os.dup2(out_fd, 2); os.close(out_fd)
+os.chdir(cfg["workdir"])
 libc = ctypes.CDLL(None, use_errno=True)
 def say(**kw): os.write(status_fd, (json.dumps(kw) + "\n").encode())
 layers = []
@@ -488,35 +508,21 @@ def _config(code: str, limits: SandboxLimits, nonce: str | None = None, role: st
                        "max_file_bytes": limits.max_file_bytes, "max_open_files": limits.max_open_files}}
 
 
-class _Sandbox:
-    """One launcher and what it has said so far: the output, its status lines (``pid``, ``started``,
-    then ``report``, ``status`` and ``layers`` once the runner has ended)."""
+class _Box:
+    """One job of a launch and what its keeper has said so far: the output, its status lines (``pid``,
+    ``started`` and ``layers``, then ``report`` and ``status`` once the runner has ended)."""
 
-    def __init__(self, cfg: dict, pass_fds: tuple[int, ...] = ()):
-        self.workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
-        self.out, self.status, self._buf, self.proc, self.killed = bytearray(), {}, b"", None, False
-        self.status_r, status_w = os.pipe()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(status_w)], cwd=self.workdir,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir},
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                pass_fds=(status_w, *pass_fds), start_new_session=True)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            os.close(status_w)
-        self.open = [self.proc.stdout.fileno(), self.status_r]
-        try:
-            self.proc.stdin.write(json.dumps(cfg).encode())
-            self.proc.stdin.close()
-        except BrokenPipeError:  # the launcher died at once: reported as such
-            pass
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.workdir = cfg["workdir"] = tempfile.mkdtemp(prefix="grpo-sandbox-")
+        self.out, self.status, self._buf = bytearray(), {}, b""
+        self.status_r, self.status_w = os.pipe()
+        self.out_r, self.out_w = os.pipe()
+        self.open = [self.out_r, self.status_r]
 
     @property
     def ended(self) -> bool:
-        """The launcher has reported the runner's end, or died."""
+        """The keeper has reported the runner's end, or died."""
         return "status" in self.status or self.status_r not in self.open
 
     def read(self, fd: int, limits: SandboxLimits) -> str | None:
@@ -532,7 +538,7 @@ class _Sandbox:
             line, self._buf = self._buf.split(b"\n", 1)
             try:
                 msg = json.loads(line)
-            except ValueError:  # the launcher was killed mid-line (only where nothing stops the program)
+            except ValueError:  # the keeper was killed mid-line (only where nothing stops the program)
                 continue
             if msg.get("started"):
                 msg["started"] = time.monotonic()
@@ -541,49 +547,82 @@ class _Sandbox:
 
     def drain(self, deadline: float, limits: SandboxLimits) -> None:
         """Read the output until EOF, ``deadline`` or ``max_output_bytes``."""
-        fd = self.proc.stdout.fileno()
-        while fd in self.open and (left := deadline - time.monotonic()) > 0 and len(self.out) <= limits.max_output_bytes:
-            if not readable([fd], left):
+        while self.out_r in self.open and (left := deadline - time.monotonic()) > 0 \
+                and len(self.out) <= limits.max_output_bytes:
+            if not readable([self.out_r], left):
                 break
-            self.read(fd, limits)
+            self.read(self.out_r, limits)
 
-    def kill(self) -> None:
-        """Kill what is left: the runner (hence its PID namespace) and the process group. Once only:
-        after it the runner's pid may be reused."""
-        if self.proc is not None and not self.killed:
-            self.killed = True
-            if "report" not in self.status and self.status.get("pid"):  # not reaped: its pid is still its own
-                _kill(None, self.status["pid"])
-            _kill(self.proc.pid, None)  # the launcher is not reaped yet: no pid reuse
-
-    def close(self) -> None:
-        """:meth:`kill`, reap the launcher, remove the work directory."""
-        if self.proc is not None:
-            self.kill()
-            self.proc.wait()
-            self.proc.stdout.close()
-        os.close(self.status_r)
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def why(self, nonce: str | None) -> str:
+    def why(self, nonce: str | None, keeper_status: int | None) -> str:
         """``"passed"`` when the runner reported ``nonce``, else why not."""
-        report, code_ = self.status.get("report"), self.exit_code
+        report, code_ = self.status.get("report"), self.status.get("status", keeper_status)
         if nonce and report == nonce:
             return "passed"
         if report:
             return report
-        if "report" not in self.status:  # the launcher itself died: killed by the program where nothing stopped it
+        if "report" not in self.status:  # the keeper itself died: killed by the program where nothing stopped it
             return f"the sandbox launcher died ({_status_text(code_)}) before the program ended"
         if code_ is not None and code_ < 0:
             return f"killed by {_status_text(code_)}"
         return f"exited with status {code_} before the end of the program"
 
-    @property
-    def exit_code(self) -> int | None:
-        return self.status.get("status", self.proc.returncode if self.proc else None)
+    def close(self) -> None:
+        for fd in (self.status_r, self.out_r, self.status_w, self.out_w):
+            if fd >= 0:
+                os.close(fd)
+        self.status_w = self.out_w = -1
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _wait(boxes: list[_Sandbox], t0: float, limits: SandboxLimits, done) -> str | None:
+class _Launch:
+    """One launcher process for one or more jobs (:class:`_Box`): it forks a keeper per job (the last
+    job's keeper is the launcher itself), each with its own namespaces, runner, output and status."""
+
+    def __init__(self, cfgs: list[dict]):
+        self.proc, self.killed, self.boxes = None, False, []
+        try:
+            self.boxes = [_Box(cfg) for cfg in cfgs]
+            fds = [[b.status_w, b.out_w, *b.cfg["channel"]] for b in self.boxes]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(fds)], cwd=self.boxes[-1].workdir,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.boxes[-1].workdir},
+                stdin=subprocess.PIPE, stdout=self.boxes[-1].out_w, stderr=subprocess.STDOUT,
+                pass_fds=tuple(f for job in fds for f in job), start_new_session=True)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for b in self.boxes:  # only the keepers hold the write ends: their end is EOF here
+                os.close(b.status_w)
+                os.close(b.out_w)
+                b.status_w = b.out_w = -1
+        jobs = [json.dumps(b.cfg).encode() for b in self.boxes]
+        try:
+            self.proc.stdin.write(b"".join(len(j).to_bytes(8, "big") + j for j in jobs))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # the launcher died at once: reported as such
+            pass
+
+    def kill(self) -> None:
+        """Kill what is left: each runner (hence its PID namespace) and the process group. Once only:
+        after it a runner's pid may be reused."""
+        if self.proc is not None and not self.killed:
+            self.killed = True
+            for b in self.boxes:
+                if "report" not in b.status and b.status.get("pid"):  # not reaped: its pid is still its own
+                    _kill(None, b.status["pid"])
+            _kill(self.proc.pid, None)  # the launcher is not reaped yet: no pid reuse
+
+    def close(self) -> None:
+        """:meth:`kill`, reap the launcher, close the pipes, remove the work directories."""
+        if self.proc is not None:
+            self.kill()
+            self.proc.wait()
+        for b in self.boxes:
+            b.close()
+
+
+def _wait(boxes: list[_Box], t0: float, limits: SandboxLimits, done) -> str | None:
     """Read every sandbox's output and status until ``done()``; or why the run must stop: the set-up
     deadline (``setup_timeout_s`` from ``t0``), the time limit (``timeout_s`` from the last start), the
     output bound."""
@@ -615,16 +654,17 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     """
     t0 = time.monotonic()
     nonce = secrets.token_hex(16)
-    box = _Sandbox(_config(code, limits, nonce=nonce))
+    launch = _Launch([_config(code, limits, nonce=nonce)])
+    (box,) = launch.boxes
     try:
         why = _wait([box], t0, limits, lambda: box.ended)
-        if "report" in box.status:  # the launcher has reaped the runner; give its last output a moment to arrive
+        if "report" in box.status:  # the keeper has reaped the runner; give its last output a moment to arrive
             box.drain(time.monotonic() + 0.5, limits)
     finally:
-        box.close()
-    why = why or box.why(nonce)
+        launch.close()
+    why = why or box.why(nonce, launch.proc.returncode)
     setup_s = box.status["started"] - t0 if "started" in box.status else None
-    return SandboxResult(why == "passed", why, time.monotonic() - t0, box.exit_code,
+    return SandboxResult(why == "passed", why, time.monotonic() - t0, box.status.get("status", launch.proc.returncode),
                          bytes(box.out[: limits.keep_output_bytes]).decode("utf-8", "replace"),
                          tuple(box.status.get("layers", ())), setup_s)
 
@@ -646,35 +686,33 @@ def run_tests(code: str, entry_point: str, tests: str, limits: SandboxLimits = S
     nonce = secrets.token_hex(16)
     calls_r, calls_w = os.pipe()
     answers_r, answers_w = os.pipe()
-    boxes: list[_Sandbox] = []
+    launch = None
     try:
-        try:
-            boxes.append(_Sandbox(_config(code, limits, role="candidate", entry_point=entry_point,
-                                          channel=(calls_r, answers_w)), (calls_r, answers_w)))
-            boxes.append(_Sandbox(_config(tests, limits, nonce=nonce, role="tests", channel=(answers_r, calls_w)),
-                                  (answers_r, calls_w)))
+        try:  # the candidate's job first: its keeper is forked before the tests' job is read
+            launch = _Launch([_config(code, limits, role="candidate", entry_point=entry_point, channel=(calls_r, answers_w)),
+                              _config(tests, limits, nonce=nonce, role="tests", channel=(answers_r, calls_w))])
         finally:  # only the two sandboxes hold the channel: either one's end is the other's EOF
             for fd in (calls_r, calls_w, answers_r, answers_w):
                 os.close(fd)
-        cand, judge = boxes
-        why = _wait(boxes, t0, limits, lambda: judge.ended)
-        cand.kill()  # and take what it printed (its pipe ends with it)
+        cand, judge = launch.boxes
+        why = _wait(launch.boxes, t0, limits, lambda: judge.ended)
+        launch.kill()  # and take what the candidate printed (its pipe ends with it)
         cand.drain(time.monotonic() + 0.2, limits)
     finally:
-        for b in boxes:
-            b.close()
-    why = why or judge.why(nonce)
-    if why.startswith("the candidate's process"):  # say how it ended, from its launcher (not from the candidate)
+        if launch is not None:
+            launch.close()
+    why = why or judge.why(nonce, launch.proc.returncode)
+    if why.startswith("the candidate's process"):  # say how it ended, from its keeper (not from the candidate)
         why += f" ({_end_text(cand)})"
-    starts = [b.status.get("started") for b in boxes]
+    starts = [b.status.get("started") for b in launch.boxes]
     theirs = set(judge.status.get("layers", ()))
-    return SandboxResult(why == "passed", why, time.monotonic() - t0, judge.exit_code,
+    return SandboxResult(why == "passed", why, time.monotonic() - t0, judge.status.get("status", launch.proc.returncode),
                          bytes((cand.out + judge.out)[: limits.keep_output_bytes]).decode("utf-8", "replace"),
                          tuple(x for x in cand.status.get("layers", ()) if x in theirs),
                          max(starts) - t0 if all(starts) else None)
 
 
-def _end_text(box: _Sandbox) -> str:
+def _end_text(box: _Box) -> str:
     if "started" not in box.status:  # what the launcher said before the program ran: its own words
         return (box.status.get("report") or "it never started")[:200]
     code_ = box.status.get("status")

@@ -255,6 +255,41 @@ def test_the_candidates_exceptions_reach_the_tests_as_builtin_types_and_nothing_
     assert r.passed, r
 
 
+# Whether this process's memory holds A immediately followed by B (the two halves apart in its own code).
+MEMORY_SCAN = """def f(a, b):
+    a, b = a.encode(), b.encode()
+    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+        regions = [line.split()[:2] for line in maps]
+        for span, perms in regions:
+            lo, hi = (int(x, 16) for x in span.split('-'))
+            if 'r' not in perms or hi - lo > 1 << 28:
+                continue
+            try:
+                mem.seek(lo)
+                chunk = mem.read(hi - lo)
+            except (OSError, OverflowError, ValueError):
+                continue
+            i = chunk.find(a)
+            while i >= 0:
+                if chunk[i + len(a): i + len(a) + len(b)] == b:
+                    return True
+                i = chunk.find(a, i + 1)
+    return False
+"""
+
+
+def test_the_candidates_process_never_holds_the_tests_or_their_nonce():
+    """The tests (their expected answers) and the nonce never reach the candidate's memory: its
+    keeper is forked before the tests' job is read. The scan does find the halves joined where they
+    are (``candidate`` called on the candidate's own copy)."""
+    a, b = secrets.token_hex(8), secrets.token_hex(8)
+    tests = f"# {a}{b}\nassert candidate({a!r}, {b!r}) is False\n"
+    r = run_tests(MEMORY_SCAN, "f", tests, SandboxLimits(timeout_s=60))
+    assert r.passed, r
+    here = run_tests(MEMORY_SCAN + f"TOKEN = {a + b!r}\n", "f", tests, SandboxLimits(timeout_s=60))
+    assert not here.passed and "AssertionError" in here.reason, here
+
+
 PLAIN = [
     # (value, why it is in the table)
     (None, "None"), (True, "a bool stays a bool"), (1, "an int stays an int, not a bool"), (-(2**70), "a big int"),
