@@ -274,6 +274,8 @@ r_fd, w_fd = os.pipe()
 pid = os.fork()
 if pid:
     os.close(w_fd)
+    for fd in cfg["channel"]:  # the runner's alone: its end is the other side's EOF
+        os.close(fd)
     say(pid=pid)
     data, started = b"", False
     while True:

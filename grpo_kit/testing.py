@@ -130,7 +130,7 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
 def hostile_completions() -> dict[str, tuple[int, str]]:
     """Completions that attack the code reward (``grpo_kit.tasks.code.code_reward``) instead of solving
     the problem, for its tests and ``bench/rewards.py``: name -> (HumanEval problem number, the
-    completion: a body continuing the prompt). Every one must score 0. Problem 0
+    completion: a body continuing the prompt, or whole functions). Every one must score 0. Problem 0
     (``has_close_elements``) expects True and False in turn; problem 4 (``mean_absolute_deviation``)
     is checked only through ``abs(candidate(...) - x) < 1e-6``."""
     main = "    import os, sys\n    m = sys.modules['__main__']\n"
@@ -179,6 +179,9 @@ def hostile_completions() -> dict[str, tuple[int, str]]:
                                               "            return 0.0\n    return F(0.0)\n"),
         # The tests' own abs (their tolerance check) rebound; the first call (before it) answered right.
         "builtins.abs rebound": (4, "    import builtins\n    builtins.abs = lambda x: 0\n    return 2.0 / 3.0\n"),
+        # The prompt's helper that the tests use (HumanEval/32 checks ``poly(coeffs, solution)``) redefined.
+        "the tests' helper redefined": (32, "```python\ndef poly(xs, x):\n    return 0.0\n\n\n"
+                                            "def find_zero(xs):\n    return 0.0\n```\n"),
         # Every process it can signal, killed (the tests' process, if it could see it).
         "kill every process it can": (0, "    import os, signal\n    try:\n        os.kill(-1, signal.SIGKILL)\n"
                                          "    except OSError:\n        pass\n    return True\n"),

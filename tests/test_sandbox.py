@@ -242,7 +242,8 @@ def test_hostile_completions_score_zero_and_the_canonical_ones_still_pass():
     assert [s.score for s in canonical] == [1.0] * len(used), [s.reason for s in canonical]
 
 
-@pytest.mark.parametrize("name", ["nonce and pipe from __main__", "an object equal to anything", "builtins.abs rebound"])
+@pytest.mark.parametrize("name", ["nonce and pipe from __main__", "an object equal to anything", "builtins.abs rebound",
+                                  "the tests' helper redefined"])
 def test_the_attacks_are_real_they_pass_when_tests_share_the_candidates_interpreter(name):
     """The table is not a list of no-ops: run as one program (HumanEval's own way, :func:`run_python`)
     these pass the problem's tests. This is why the code reward splits the two."""
