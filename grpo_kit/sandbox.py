@@ -289,6 +289,11 @@ if pid:
             say(started=True, layers=layers)
     _, st = os.waitpid(pid, 0)
     say(report=data.decode("utf-8", "replace")[:4096], status=os.waitstatus_to_exitcode(st), layers=layers)
+    while True:  # the launcher reaps the other keepers (they end with their runners), so none is left a zombie
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
     os._exit(0)
 os.close(r_fd); os.close(status_fd)
 lim, keep = cfg["limits"], set(cfg["channel"]) | {w_fd}
@@ -548,12 +553,12 @@ class _Box:
         return None
 
     def drain(self, deadline: float, limits: SandboxLimits) -> None:
-        """Read the output until EOF, ``deadline`` or ``max_output_bytes``."""
-        while self.out_r in self.open and (left := deadline - time.monotonic()) > 0 \
-                and len(self.out) <= limits.max_output_bytes:
-            if not readable([self.out_r], left):
+        """Read the output and status until EOF, ``deadline`` or ``max_output_bytes``."""
+        while self.open and (left := deadline - time.monotonic()) > 0 and len(self.out) <= limits.max_output_bytes:
+            if not (ready := readable(self.open, left)):
                 break
-            self.read(self.out_r, limits)
+            for fd in ready:
+                self.read(fd, limits)
 
     def why(self, nonce: str | None, keeper_status: int | None) -> str:
         """``"passed"`` when the runner reported ``nonce``, else why not."""
@@ -605,15 +610,22 @@ class _Launch:
         except BrokenPipeError:  # the launcher died at once: reported as such
             pass
 
-    def kill(self) -> None:
-        """Kill what is left: each runner (hence its PID namespace) and the process group. Once only:
-        after it a runner's pid may be reused."""
-        if self.proc is not None and not self.killed:
-            self.killed = True
-            for b in self.boxes:
-                if "report" not in b.status and b.status.get("pid"):  # not reaped: its pid is still its own
-                    _kill(None, b.status["pid"])
-            _kill(self.proc.pid, None)  # the launcher is not reaped yet: no pid reuse
+    def kill(self, grace_s: float = 1.0) -> None:
+        """Kill what is left: each runner (hence its PID namespace); then, once the keepers have reaped
+        them and the launcher its keepers (within ``grace_s``; nothing is left for init to reap), the
+        process group, for what left the namespace. Once only: after it a runner's pid may be reused."""
+        if self.proc is None or self.killed:
+            return
+        self.killed = True
+        for b in self.boxes:
+            if "report" not in b.status and b.status.get("pid"):  # not reaped: its pid is still its own
+                _kill(None, b.status["pid"])
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:  # WNOWAIT: the launcher stays unreaped, its pid (the group's) its own
+            if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+            time.sleep(0.002)
+        _kill(self.proc.pid, None)
 
     def close(self) -> None:
         """:meth:`kill`, reap the launcher, close the pipes, remove the work directories."""
@@ -698,7 +710,7 @@ def run_tests(code: str, entry_point: str, tests: str, limits: SandboxLimits = S
                 os.close(fd)
         cand, judge = launch.boxes
         why = _wait(launch.boxes, t0, limits, lambda: judge.ended)
-        launch.kill()  # and take what the candidate printed (its pipe ends with it)
+        launch.kill()  # and take what the candidate printed (its pipe has ended with it)
         cand.drain(time.monotonic() + 0.2, limits)
     finally:
         if launch is not None:
