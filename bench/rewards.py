@@ -4,6 +4,10 @@
 
 - ``humaneval_canonical_pass``: the 164 canonical solutions scored by the code reward (one batch, on
   as many threads as CPUs); ``humaneval_empty_pass``: the same with empty completions (should be 0).
+- ``code_hostile_zero`` of ``code_hostile_cases``: completions that attack the code reward instead of
+  solving the problem (``testing.hostile_completions``: a forged verdict, objects equal to anything,
+  rebound builtins, writes to every descriptor, a child writing later, hostile answers), each
+  counted when it scored 0.
 - ``sandbox_contained`` of ``sandbox_cases``: hostile programs (infinite loop, fork bomb, 10 GB
   allocation, writing outside the work directory, reading this file, a loopback connection, killing
   the parent, 100 MB of output, ``exit(0)``, ...), each counted contained when it failed with the expected reason
@@ -13,7 +17,8 @@
   answer off by one (both must say wrong).
 - ``ms_per_completion_{gsm8k,math,code}``: scoring cost per completion (gsm8k and math: one at a time on
   the gold solutions, math with its child process warm; code: the 164-completion batch's wall time
-  divided by 164; ``ms_per_run_code_sequential``: one sandboxed run at a time).
+  divided by 164; ``ms_per_run_code_sequential``: one completion at a time; each completion is two
+  sandboxes, the candidate's and the tests').
 
 The last line is JSON. Timings depend on the machine's load; say so when it is shared.
 """
@@ -87,7 +92,8 @@ def main(argv=None) -> dict:
     res: dict = {"cpus": os.cpu_count(), "sandbox_isolation": list(probe())}
     print(f"sandbox layers here: {', '.join(probe())}")
 
-    he = load_humaneval()[: 20 if args.quick else None]
+    he_all = load_humaneval()
+    he = he_all[: 20 if args.quick else None]
     cols = ([r["prompt"] for r in he], [r["test"] for r in he], [r["entry_point"] for r in he])
     t0 = time.perf_counter()
     canon = code_reward(cols[0], [r["canonical_solution"] for r in he], cols[1], cols[2])
@@ -103,6 +109,16 @@ def main(argv=None) -> dict:
             "ms_per_run_code_sequential": round(1000 * (time.perf_counter() - t1) / len(seq), 1)}
     print(f"HumanEval canonical: {res['humaneval_canonical_pass']}/{len(he)} in {wall:.1f} s; empty bodies passing: "
           f"{res['humaneval_empty_pass']}")
+
+    table = testing.hostile_completions()
+    scores = code_reward([he_all[k]["prompt"] for k, _ in table.values()], [c for _, c in table.values()],
+                         [he_all[k]["test"] for k, _ in table.values()], [he_all[k]["entry_point"] for k, _ in table.values()],
+                         timeout_s=args.timeout)
+    res |= {"code_hostile_cases": len(table), "code_hostile_zero": sum(s.score == 0.0 for s in scores),
+            "code_hostile_outcomes": {n: s.reason[:100] for n, s in zip(table, scores, strict=True)}}
+    print("hostile completions through the code reward:")
+    for n, s in zip(table, scores, strict=True):
+        print(f"  {n:44s} {'score 0' if s.score == 0.0 else 'SCORED':8s} {s.reason[:70]}")
 
     print("hostile programs:")
     cases = sandbox_cases(args.timeout)

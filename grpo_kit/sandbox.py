@@ -1,35 +1,53 @@
-"""Run untrusted Python (a completion plus its tests) in a contained child process.
+"""Run untrusted Python in contained child processes: a whole program (:func:`run_python`), or a
+candidate function and the tests that judge it, each in its own sandbox (:func:`run_tests`).
 
-:func:`run_python` starts ``python -I -S -c <launcher>`` with :class:`subprocess.Popen` in a new
-session, an empty temporary working directory (removed after) and a scrubbed environment, and
-sends it the program on stdin. No ``preexec_fn`` (not safe when the caller has threads, as a Dask
-worker does) and no ``SIGALRM`` (main thread only): all set-up happens inside the launcher, and
-the caller bounds it with a wall clock, so it is safe from any thread. The launcher (trusted code,
-before the program runs):
+One run is ``python -I -S -c <launcher>`` started with :class:`subprocess.Popen` in a new session
+and a scrubbed environment; it reads its jobs (one sandbox each) on stdin, one at a time, forking a
+keeper for each before it reads the next (so the candidate's processes never hold the tests' code
+or nonce), and each job gets an empty temporary working directory (removed after). No
+``preexec_fn`` (not safe when the caller has threads, as a Dask worker does) and no ``SIGALRM``
+(main thread only): all set-up happens inside the launcher, and the caller bounds it with a wall
+clock, so it is safe from any thread. Each keeper (trusted code, before the program runs):
 
-1. ``unshare`` new PID and network namespaces (with a user namespace when not root). In the new
-   network namespace only a downed loopback exists, so no connection of any kind gets out; in the
-   PID namespace the program cannot name any process outside it (``os.getppid()`` is 0), and when
-   its first process dies the kernel kills every process it started.
-2. forks the runner, which as root drops to an unprivileged uid (root ignores ``RLIMIT_NPROC``),
-   turns on Landlock (writes allowed only beneath the temporary directory and to ``/dev/null``;
-   TCP bind/connect and signals outside the sandbox refused where the kernel's ABI has them),
-   sets the resource limits (:class:`SandboxLimits`), closes every other descriptor and runs the
-   program with ``exec``. It reports "finished" to the launcher over a private pipe, with a nonce,
-   only after the program returns, so ``exit(0)`` in a completion is a failure, not a pass.
+1. ``unshare`` new PID, network and mount namespaces (with a user namespace when not root). In the
+   new network namespace only a downed loopback exists, so no connection of any kind gets out; in
+   the PID namespace the program cannot name any process outside it (``os.getppid()`` is 0), and
+   when its first process dies the kernel kills every process it started.
+2. forks the runner, the first process of the PID namespace, which mounts a fresh ``/proc`` for it
+   (so the program sees its own processes only, not the host's command lines or environments; where
+   that mount fails, Landlock gives no read access to ``/proc`` at all), as root drops to an
+   unprivileged uid (root ignores ``RLIMIT_NPROC``; in a user namespace it drops every capability
+   instead), marks itself not dumpable (no ptrace, no ``/proc/<pid>/mem`` for a same-uid process),
+   turns on Landlock (writes allowed only beneath the temporary directory and to ``/dev/null``; TCP
+   bind/connect and signals outside the sandbox refused where the kernel's ABI has them), sets the
+   resource limits (:class:`SandboxLimits`), closes every other descriptor and runs the program.
 
 The caller reads the output with a bound (over ``max_output_bytes`` the run is killed) and, at
 ``timeout_s`` after the program started (``setup_timeout_s`` bounds what comes before), kills the
-process group and the runner (hence its whole PID namespace) with SIGKILL.
+process groups and the runners (hence their whole PID namespaces) with SIGKILL.
+
+What "passed" means. A program is one interpreter, so nothing inside it can tell "the program ran
+to its end" from code that pretends it did: :func:`run_python`'s verdict (the runner reports a
+nonce after the program returns, so an accidental ``exit(0)`` fails) holds for programs that do not
+attack it, not for hostile ones. For a reward, use :func:`run_tests`: the candidate's code runs in
+one sandbox that holds no secret and no channel to the verdict, and serves calls of its function
+over a pair of pipes; the tests run in a second sandbox, where ``candidate`` is a proxy that sends
+the arguments and accepts back only plain data (None, bool, int, float, complex, str, bytes, list,
+tuple, set, frozenset, dict; :func:`encode_plain`), decoded by trusted code that builds only those
+types, within ``max_message_bytes``, and anything malformed fails the tests at once. Nothing the
+candidate defines ever runs in the tests' interpreter (no ``__eq__`` that is always true, no
+rebound ``abs``), and the verdict is the tests process's own report to this process, over a
+descriptor the candidate's process never has.
 
 Where a layer is not available (no namespaces in an unprivileged container, an old kernel without
 Landlock), the run goes ahead without it and :attr:`SandboxResult.isolation` lists the layers that
 were in force; :func:`probe` says which are available here. Without a network namespace and
 without Landlock's TCP rules the program can reach the network; without a PID namespace and
-Landlock's signal scope it can signal processes of the same uid. The process-level limits (time,
-memory, processes, output) hold everywhere. This contains accidents and reward-hacking habits
-(``exit(0)``, runaway loops, fork bombs); it is not a boundary against a determined attacker with
-a kernel exploit.
+Landlock's signal scope it can signal processes of the same uid (and so end the tests' process
+early, which fails them); without a fresh ``/proc`` and Landlock it reads the host's. The
+process-level limits (time, memory, processes, output) hold everywhere. This contains accidents and
+reward hacking (``exit(0)``, runaway loops, fork bombs, forged verdicts, objects that equal
+anything); it is not a boundary against a determined attacker with a kernel exploit.
 """
 
 from __future__ import annotations
@@ -48,7 +66,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-__all__ = ["SandboxLimits", "SandboxResult", "probe", "readable", "run_python"]
+__all__ = ["SandboxLimits", "SandboxResult", "decode_plain", "encode_plain", "probe", "readable", "run_python",
+           "run_tests"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,9 @@ class SandboxLimits:
     """stdout + stderr read back; past this the run is killed and fails."""
     keep_output_bytes: int = 4096
     """How much of the output :attr:`SandboxResult.output` keeps (its start)."""
+    max_message_bytes: int = 16 << 20
+    """:func:`run_tests`: the largest call or answer between the two processes; a larger answer fails
+    the tests."""
     namespaces: bool = True
     """Try new PID and network namespaces (False: for tests of the fallback)."""
     landlock: bool = True
@@ -93,26 +115,158 @@ class SandboxResult:
     output: str = ""
     """The start of stdout + stderr (``keep_output_bytes``)."""
     isolation: tuple[str, ...] = ()
-    """Layers that were in force: ``pidns``, ``netns``, ``userns``, ``uid``, ``landlock-fs`` (writes),
-    ``landlock-read``, ``landlock-net``, ``landlock-signal``, ``rlimits``."""
+    """Layers that were in force (for :func:`run_tests`, in both processes): ``pidns``, ``netns``,
+    ``mntns``, ``proc`` (a fresh ``/proc``), ``userns``, ``uid``, ``caps`` (every capability dropped),
+    ``nodump``, ``landlock-fs`` (writes), ``landlock-read``, ``landlock-net``, ``landlock-signal``,
+    ``rlimits``."""
     setup_s: float | None = None
     """Seconds until the program started (Python's start, namespaces, limits); None if it never did."""
 
 
+# The wire format between a candidate's process and its tests' process, as source: it runs inside
+# both sandboxes (prepended to the launcher) and, exec'd below, in this process for the tests.
+# Every value is JSON: None, bool, str and ints below 2**53 as themselves, the rest as [tag, payload].
+_CODEC = r'''
+import json as _json
+
+MAX_DEPTH = 100
+_TAGS = {list: "l", tuple: "t", set: "s", frozenset: "z"}
+_BUILD = {"l": list, "t": tuple, "s": set, "z": frozenset}
+
+
+def encode_plain(x, depth=0):
+    """``x`` as JSON-able data, exactly (tuple or list, inf, nan, -0.0, big ints); TypeError for
+    anything not plain (a subclass of int is not an int here), ValueError when nested too deeply."""
+    t = type(x)
+    if x is None or t is bool or t is str:
+        return x
+    if t is int:
+        return x if -(1 << 53) < x < (1 << 53) else ["i", hex(x)]
+    if t is float:
+        return ["f", x.hex()]
+    if t is complex:
+        return ["c", [x.real.hex(), x.imag.hex()]]
+    if t is bytes:
+        return ["b", x.hex()]
+    if t not in _TAGS and t is not dict:
+        raise TypeError("a %s is not plain data" % (t.__name__,))
+    if depth >= MAX_DEPTH:
+        raise ValueError("nested deeper than %d" % MAX_DEPTH)
+    if t is dict:
+        return ["d", [[encode_plain(k, depth + 1), encode_plain(v, depth + 1)] for k, v in x.items()]]
+    return [_TAGS[t], [encode_plain(v, depth + 1) for v in x]]
+
+
+def decode_plain(v, depth=0):
+    """The value :func:`encode_plain` encoded; builds only plain types and raises ValueError or
+    TypeError (an unhashable key) for anything else."""
+    t = type(v)
+    if v is None or t is bool or t is str:
+        return v
+    if t is int:
+        if -(1 << 53) < v < (1 << 53):
+            return v
+        raise ValueError("a bare int out of range")
+    if t is not list or len(v) != 2 or type(v[0]) is not str:
+        raise ValueError("not an encoded value")
+    tag, p = v
+    if tag == "i" and type(p) is str:
+        return int(p, 16)
+    if tag == "f" and type(p) is str and len(p) <= 32:
+        return float.fromhex(p)
+    if tag == "c" and type(p) is list and len(p) == 2 and type(p[0]) is str and type(p[1]) is str:
+        return complex(decode_plain(["f", p[0]]), decode_plain(["f", p[1]]))
+    if tag == "b" and type(p) is str:
+        return bytes.fromhex(p)
+    if type(p) is not list or depth >= MAX_DEPTH:
+        raise ValueError("not an encoded value")
+    if tag == "d":
+        out = {}
+        for kv in p:
+            if type(kv) is not list or len(kv) != 2:
+                raise ValueError("not an encoded dict item")
+            out[decode_plain(kv[0], depth + 1)] = decode_plain(kv[1], depth + 1)
+        return out
+    if tag not in _BUILD:
+        raise ValueError("unknown tag %r" % (tag[:20],))
+    return _BUILD[tag](decode_plain(x, depth + 1) for x in p)
+
+
+def _no_json(text):
+    raise ValueError("JSON floats and objects are not part of the format")
+
+
+def send_message(fd, msg):
+    """One message: a 4-byte length, then its JSON."""
+    body = _json.dumps(msg).encode()
+    data = len(body).to_bytes(4, "big") + body
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def recv_message(fd, limit):
+    """The next message, or None at end of file; ValueError when it is over ``limit`` bytes or not
+    strict JSON of lists, strings, ints, booleans and null."""
+    head = _read_exact(fd, 4)
+    if head is None:
+        return None
+    n = int.from_bytes(head, "big")
+    if n > limit:
+        raise ValueError("a message of %d bytes (over %d)" % (n, limit))
+    body = _read_exact(fd, n)
+    if body is None:
+        return None
+    return _json.loads(body.decode("ascii"), parse_float=_no_json, parse_constant=_no_json,
+                       object_pairs_hook=_no_json)
+
+
+def _read_exact(fd, n):
+    parts, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+'''
+
 # Runs as `python -I -S -c LAUNCHER` (isolated mode: no PYTHON* variables, no site-packages, no cwd on
-# sys.path). Reads {"code", "limits", "nonce", "uid"} on stdin; writes JSON lines on fd STATUS_FD.
+# sys.path). Reads {"code", "limits", "nonce", "uid", "role", ...} on stdin; writes JSON lines on fd
+# STATUS_FD. role None: run the program; "candidate": run it, then serve calls of its entry point on
+# the channel; "tests": run it with `candidate` a proxy of the candidate's function over the channel.
 _LAUNCHER = r'''
-import ctypes, json, os, resource, sys
-cfg = json.loads(sys.stdin.buffer.read()); status_fd = int(sys.argv[1])
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+import builtins, ctypes, json, os, resource, signal, sys
+''' + _CODEC + r'''
+fds = json.loads(sys.argv[1])  # per job: [status_fd, out_fd, *channel], in the order the jobs come on stdin
+def take(n):
+    data = b""
+    while len(data) < n:  # os.read, not a buffered stdin: nothing read ahead of the job
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            raise EOFError("the job ended early")
+        data += chunk
+    return data
+# One job at a time, each forked off before the next is read, so that no job's processes ever hold a
+# later job's code or nonce: the candidate's comes first and never sees the tests or their nonce.
+for i in range(len(fds)):
+    cfg = json.loads(take(int.from_bytes(take(8), "big")))
+    if i == len(fds) - 1 or os.fork() == 0:
+        break
+    del cfg
+for fd in {f for job in fds for f in job} - set(fds[i]):
+    os.close(fd)
+status_fd, out_fd = fds[i][:2]
+os.dup2(os.open(os.devnull, os.O_RDONLY), 0); os.dup2(out_fd, 1); os.dup2(out_fd, 2); os.close(out_fd)
+os.chdir(cfg["workdir"])
 libc = ctypes.CDLL(None, use_errno=True)
 def say(**kw): os.write(status_fd, (json.dumps(kw) + "\n").encode())
 layers = []
-NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
+NEWNS, NEWUSER, NEWPID, NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
 root = os.geteuid() == 0
-for flags in (([NEWPID | NEWNET] if root else []) + [NEWUSER | NEWPID | NEWNET]) * cfg["namespaces"]:
+for flags in (([NEWPID | NEWNET | NEWNS] if root else []) + [NEWUSER | NEWPID | NEWNET | NEWNS]) * cfg["namespaces"]:
     if libc.unshare(flags) == 0:
-        layers += ["pidns", "netns"] + (["userns"] if flags & NEWUSER else []); break
+        layers += ["pidns", "netns", "mntns"] + (["userns"] if flags & NEWUSER else []); break
 uid = cfg["uid"] if root else None
 if uid is not None:
     os.chown(".", uid, uid)
@@ -120,30 +274,52 @@ r_fd, w_fd = os.pipe()
 pid = os.fork()
 if pid:
     os.close(w_fd)
+    for fd in cfg["channel"]:  # the runner's alone: its end is the other side's EOF
+        os.close(fd)
     say(pid=pid)
     data, started = b"", False
     while True:
         chunk = os.read(r_fd, 65536)
         if not chunk: break
-        data += chunk[: 4096 - len(data)]
+        data += chunk[: 8192 - len(data)]
         if not started and b"\n" in data:  # the runner is set up: the program's time starts now
-            started = True; say(started=True)
+            started = True
+            line, data = data.split(b"\n", 1)
+            layers = json.loads(line)["layers"]  # written before the program ran: trusted
+            say(started=True, layers=layers)
     _, st = os.waitpid(pid, 0)
-    say(report=data.decode("utf-8", "replace"), status=os.waitstatus_to_exitcode(st), layers=layers)
+    say(report=data.decode("utf-8", "replace")[:4096], status=os.waitstatus_to_exitcode(st), layers=layers)
+    while True:  # the launcher reaps the other keepers (they end with their runners), so none is left a zombie
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
     os._exit(0)
 os.close(r_fd); os.close(status_fd)
-lim = cfg["limits"]
+lim, keep = cfg["limits"], set(cfg["channel"]) | {w_fd}
 try:
+    if "mntns" in layers:
+        # This process is the PID namespace's first: a procfs mounted here shows only its processes.
+        # Private first, so that the mount does not propagate back to the host's namespace.
+        if libc.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0 and \
+                libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0:  # MS_REC|MS_PRIVATE; NOSUID|NODEV|NOEXEC
+            layers.append("proc")
+    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
     if uid is not None:
         # Keep only CAP_DAC_READ_SEARCH across the change, so the new uid can still read Python's own
         # files where they sit under a private home (pyenv in /root); it grants no writes.
         libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS
         os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-        hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
         caps = (ctypes.c_uint32 * 6)(1 << 2, 1 << 2, 0, 0, 0, 0)  # effective, permitted, inheritable (x2)
         if libc.capset(hdr, caps) != 0:
             raise OSError(ctypes.get_errno(), "capset")
         layers.append("uid")
+    elif "userns" in layers:  # every capability of the new user namespace (to unmount the fresh /proc, say)
+        if libc.capset(hdr, (ctypes.c_uint32 * 6)()) != 0:
+            raise OSError(ctypes.get_errno(), "capset")
+        layers.append("caps")
+    if libc.prctl(4, 0, 0, 0, 0) == 0:  # PR_SET_DUMPABLE 0: no ptrace or /proc/<pid>/mem by the same uid
+        layers.append("nodump")
     L = ctypes.c_long
     def ll(*args): return libc.syscall(*[a if not isinstance(a, int) else L(a) for a in args])
     libc.syscall.restype = L
@@ -160,12 +336,14 @@ try:
             _pack_ = 1
             _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
         ok = rs >= 0
-        # Reads: Python's own files and the system's libraries, /proc and /dev; not /root, /home or the
-        # project (a root run keeps CAP_DAC_READ_SEARCH, so this is what stops it reading any file).
+        # Reads: Python's own files and the system's libraries, /dev, and /proc only when it is the fresh
+        # one; not /root, /home or the project (a root run keeps CAP_DAC_READ_SEARCH, so this is what
+        # stops it reading any file).
         read = 0xD  # EXECUTE, READ_FILE, READ_DIR
         rules = [(".", fs), (os.devnull, 0x7 | (1 << 14 if abi >= 3 else 0)), ("/etc/localtime", 0x5)]
         rules += [(d, read) for d in {sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                       "/usr", "/lib", "/lib64", "/bin", "/proc", "/dev"}]
+                                       "/usr", "/lib", "/lib64", "/bin", "/dev"}]
+        rules += [("/proc", read)] if "proc" in layers else []
         for path, rights in rules:
             try:
                 fd = os.open(path, os.O_PATH)
@@ -181,37 +359,135 @@ try:
         # signals it has no handler for), SIGKILL a second later.
         resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + (name == "CPU")))
     layers.append("rlimits")
-    os.closerange(3, w_fd); os.closerange(w_fd + 1, 1 << 16)
-    import signal
+    lo = 3
+    for fd in sorted(keep):  # every descriptor but the channel and w_fd
+        os.closerange(lo, fd); lo = fd + 1
+    os.closerange(lo, 1 << 16)
     def on_xcpu(signum, frame):
         os.write(w_fd, b"CPU time limit exceeded"); os._exit(1)
     signal.signal(signal.SIGXCPU, on_xcpu)
     os.write(w_fd, (json.dumps({"layers": layers}) + "\n").encode())
 except Exception as e:
     os.write(w_fd, ("setup failed: %r" % (e,)).encode()); os._exit(70)
-code, nonce = cfg["code"], cfg["nonce"]
+code, nonce, role, entry, chan = cfg["code"], cfg["nonce"], cfg["role"], cfg["entry_point"], cfg["channel"]
+max_message = cfg["max_message_bytes"]
 del cfg, lim
 os.environ.clear(); os.environ.update({"PATH": "/usr/bin:/bin", "HOME": os.getcwd(), "LANG": "C.UTF-8"})
-try:
-    exec(compile(code, "<program>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-except SystemExit as e:
-    report = "exit(%r) before the end of the program" % (e.code,)
-except BaseException as e:
+
+def describe(e, source):
     tb, line = e.__traceback__, None
     while tb is not None:
         if tb.tb_frame.f_code.co_filename == "<program>":
             line = tb.tb_lineno
         tb = tb.tb_next
     report = type(e).__name__ + (": %s" % (e,) if str(e) else "")
-    if line is not None and 0 < line <= len(code.splitlines()):
-        report += " (line %d: %s)" % (line, code.splitlines()[line - 1].strip()[:200])
-    report = report[:500]
+    if line is not None and 0 < line <= len(source.splitlines()):
+        report += " (line %d: %s)" % (line, source.splitlines()[line - 1].strip()[:200])
+    return report[:500]
+
+def finish(report):
+    try:
+        sys.stdout.flush(); sys.stderr.flush()
+    finally:
+        os.write(w_fd, report.encode("utf-8", "replace")[:4096]); os._exit(0)
+
+def serve(error, g):
+    """The candidate's side: answer each call of its function, with the value or the exception."""
+    rfd, wfd = chan
+    fn = g.get(entry) if error is None else None
+    if error is None and not callable(fn):
+        error = "NameError: the code defines no function %r" % (entry,)
+    send_message(wfd, ["raise", 0, "", error] if error else ["ok", 0, None])
+    while error is None:
+        msg = recv_message(rfd, max_message)  # from the tests' process: trusted
+        if msg is None:
+            break
+        _, i, args, kwargs = msg
+        try:
+            try:
+                out = ["ok", i, encode_plain(fn(*decode_plain(args), **decode_plain(kwargs)))]
+            except BaseException as e:
+                out = ["raise", i, str(type(e).__name__)[:100], str(e)[:1000]]
+        except BaseException:
+            out = ["raise", i, "Exception", "(an exception that cannot be shown)"]
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            pass
+        send_message(wfd, out)
+    finish("")
+
+class CandidateError(Exception):
+    """The candidate raised something that is not a builtin Exception type (SystemExit, its own class)."""
+
+def proxy():
+    """The tests' side: ``candidate(*args, **kwargs)`` sends plain data, accepts only plain data back.
+    The candidate's process is hostile: whatever it sends that is not a well-formed answer to this
+    very call ends the tests at once, failed (os._exit: no ``except`` in a test can catch it)."""
+    rfd, wfd = chan
+    calls = [0]
+    def answer(i):
+        try:
+            msg = recv_message(rfd, max_message)
+            if msg is None:
+                finish("the candidate's process ended before answering call %d" % i)
+            if type(msg) is list and len(msg) == 3 and msg[:2] == ["ok", i]:
+                return True, decode_plain(msg[2])
+            if type(msg) is list and len(msg) == 4 and msg[:2] == ["raise", i] and \
+                    type(msg[2]) is str and type(msg[3]) is str:
+                return False, (msg[2][:100], msg[3][:1000])
+            raise ValueError("not an answer to call %d" % i)
+        except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as e:
+            finish("the candidate's process sent malformed data: %s" % (str(e)[:200],))
+    ok, info = answer(0)
+    if not ok:
+        finish("the candidate's code failed: %s" % (info[1],))
+    if info is not None:
+        finish("the candidate's process sent malformed data: not a greeting")
+    def candidate(*args, **kwargs):
+        calls[0] += 1
+        try:
+            req = ["call", calls[0], encode_plain(list(args)), encode_plain(dict(kwargs))]
+        except (TypeError, ValueError) as e:
+            raise TypeError("only plain data reaches the candidate: %s" % (e,)) from None
+        try:
+            send_message(wfd, req)
+        except OSError:
+            finish("the candidate's process ended before answering call %d" % calls[0])
+        ok, value = answer(calls[0])
+        if ok:
+            return value
+        name, text = value
+        cls = getattr(builtins, name, None) if name.isidentifier() else None
+        exc = None
+        if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, StopIteration):
+            try:
+                exc = cls(text) if text else cls()
+            except Exception:
+                pass
+        raise (exc or CandidateError("%s: %s" % (name, text) if text else name)) from None
+    return candidate
+
+g = {"__name__": "__main__", "__builtins__": __builtins__}
+if role == "tests":
+    g["candidate"] = proxy()
+try:
+    exec(compile(code, "<program>", "exec"), g)
+except SystemExit as e:
+    report = "exit(%r) before the end of the program" % (e.code,)
+except BaseException as e:
+    report = describe(e, code)
 else:
     report = nonce
-sys.stdout.flush(); sys.stderr.flush()
-os.write(w_fd, report.encode())
-os._exit(0)
+if role == "candidate":
+    serve(report, g)
+finish(report)
 '''
+
+_codec: dict = {"os": os}
+exec(compile(_CODEC, "<sandbox codec>", "exec"), _codec)
+encode_plain = _codec["encode_plain"]
+decode_plain = _codec["decode_plain"]
 
 _SIGNALS = {s.value: s.name for s in signal.Signals}
 
@@ -229,8 +505,161 @@ def _kill(pgid: int | None, pid: int | None) -> None:
                 pass
 
 
+def _config(code: str, limits: SandboxLimits, nonce: str | None = None, role: str | None = None,
+            entry_point: str | None = None, channel: tuple[int, ...] = ()) -> dict:
+    cpu_s = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
+    return {"code": code, "nonce": nonce, "role": role, "entry_point": entry_point, "channel": list(channel),
+            "uid": 0x70000000 + secrets.randbelow(1 << 24), "namespaces": limits.namespaces,
+            "landlock": limits.landlock, "max_message_bytes": limits.max_message_bytes,
+            "limits": {"cpu_s": cpu_s, "memory_bytes": limits.memory_bytes, "max_processes": limits.max_processes,
+                       "max_file_bytes": limits.max_file_bytes, "max_open_files": limits.max_open_files}}
+
+
+class _Box:
+    """One job of a launch and what its keeper has said so far: the output, its status lines (``pid``,
+    ``started`` and ``layers``, then ``report`` and ``status`` once the runner has ended)."""
+
+    def __init__(self, cfg: dict):
+        self.cfg = cfg
+        self.workdir = cfg["workdir"] = tempfile.mkdtemp(prefix="grpo-sandbox-")
+        self.out, self.status, self._buf = bytearray(), {}, b""
+        self.status_r, self.status_w = os.pipe()
+        self.out_r, self.out_w = os.pipe()
+        self.open = [self.out_r, self.status_r]
+
+    @property
+    def ended(self) -> bool:
+        """The keeper has reported the runner's end, or died."""
+        return "status" in self.status or self.status_r not in self.open
+
+    def read(self, fd: int, limits: SandboxLimits) -> str | None:
+        """Take what ``fd`` has; the reason to stop the run when the output is over its bound."""
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            self.open.remove(fd)
+        if fd != self.status_r:
+            self.out += chunk
+            return f"output over {limits.max_output_bytes} bytes" if len(self.out) > limits.max_output_bytes else None
+        self._buf += chunk
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            try:
+                msg = json.loads(line)
+            except ValueError:  # the keeper was killed mid-line (only where nothing stops the program)
+                continue
+            if msg.get("started"):
+                msg["started"] = time.monotonic()
+            self.status.update(msg)
+        return None
+
+    def drain(self, deadline: float, limits: SandboxLimits) -> None:
+        """Read the output and status until EOF, ``deadline`` or ``max_output_bytes``."""
+        while self.open and (left := deadline - time.monotonic()) > 0 and len(self.out) <= limits.max_output_bytes:
+            if not (ready := readable(self.open, left)):
+                break
+            for fd in ready:
+                self.read(fd, limits)
+
+    def why(self, nonce: str | None, keeper_status: int | None) -> str:
+        """``"passed"`` when the runner reported ``nonce``, else why not."""
+        report, code_ = self.status.get("report"), self.status.get("status", keeper_status)
+        if nonce and report == nonce:
+            return "passed"
+        if report:
+            return report
+        if "report" not in self.status:  # the keeper itself died: killed by the program where nothing stopped it
+            return f"the sandbox launcher died ({_status_text(code_)}) before the program ended"
+        if code_ is not None and code_ < 0:
+            return f"killed by {_status_text(code_)}"
+        return f"exited with status {code_} before the end of the program"
+
+    def close(self) -> None:
+        for fd in (self.status_r, self.out_r, self.status_w, self.out_w):
+            if fd >= 0:
+                os.close(fd)
+        self.status_w = self.out_w = -1
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+class _Launch:
+    """One launcher process for one or more jobs (:class:`_Box`): it forks a keeper per job (the last
+    job's keeper is the launcher itself), each with its own namespaces, runner, output and status."""
+
+    def __init__(self, cfgs: list[dict]):
+        self.proc, self.killed, self.boxes = None, False, []
+        try:
+            self.boxes = [_Box(cfg) for cfg in cfgs]
+            fds = [[b.status_w, b.out_w, *b.cfg["channel"]] for b in self.boxes]
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(fds)], cwd=self.boxes[-1].workdir,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.boxes[-1].workdir},
+                stdin=subprocess.PIPE, stdout=self.boxes[-1].out_w, stderr=subprocess.STDOUT,
+                pass_fds=tuple(f for job in fds for f in job), start_new_session=True)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for b in self.boxes:  # only the keepers hold the write ends: their end is EOF here
+                os.close(b.status_w)
+                os.close(b.out_w)
+                b.status_w = b.out_w = -1
+        jobs = [json.dumps(b.cfg).encode() for b in self.boxes]
+        try:
+            self.proc.stdin.write(b"".join(len(j).to_bytes(8, "big") + j for j in jobs))
+            self.proc.stdin.close()
+        except BrokenPipeError:  # the launcher died at once: reported as such
+            pass
+
+    def kill(self, grace_s: float = 1.0) -> None:
+        """Kill what is left: each runner (hence its PID namespace); then, once the keepers have reaped
+        them and the launcher its keepers (within ``grace_s``; nothing is left for init to reap), the
+        process group, for what left the namespace. Once only: after it a runner's pid may be reused."""
+        if self.proc is None or self.killed:
+            return
+        self.killed = True
+        for b in self.boxes:
+            if "report" not in b.status and b.status.get("pid"):  # not reaped: its pid is still its own
+                _kill(None, b.status["pid"])
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:  # WNOWAIT: the launcher stays unreaped, its pid (the group's) its own
+            if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                break
+            time.sleep(0.002)
+        _kill(self.proc.pid, None)
+
+    def close(self) -> None:
+        """:meth:`kill`, reap the launcher, close the pipes, remove the work directories."""
+        if self.proc is not None:
+            self.kill()
+            self.proc.wait()
+        for b in self.boxes:
+            b.close()
+
+
+def _wait(boxes: list[_Box], t0: float, limits: SandboxLimits, done) -> str | None:
+    """Read every sandbox's output and status until ``done()``; or why the run must stop: the set-up
+    deadline (``setup_timeout_s`` from ``t0``), the time limit (``timeout_s`` from the last start), the
+    output bound."""
+    while not done():
+        pending = [b for b in boxes if "started" not in b.status and not b.ended]
+        starts = [b.status["started"] for b in boxes if "started" in b.status]
+        setting_up = bool(pending) or not starts
+        left = (t0 + limits.setup_timeout_s if setting_up else max(starts) + limits.timeout_s) - time.monotonic()
+        if left <= 0:
+            return f"set-up took over {limits.setup_timeout_s:g} s" if setting_up else f"timed out after {limits.timeout_s:g} s"
+        fds = {fd: b for b in boxes for fd in b.open}
+        if not fds:
+            return None
+        for fd in readable(list(fds), left):
+            if why := fds[fd].read(fd, limits):
+                return why
+    return None
+
+
 def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run ``code`` as a program in the sandbox; it passes when it runs to its end without raising.
+    Not a verdict to trust against the program itself (see the module docstring): score untrusted
+    code with :func:`run_tests`.
 
     >>> run_python("assert sum(range(4)) == 6").passed
     True
@@ -238,60 +667,70 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     'timed out after 0.5 s'
     """
     t0 = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
     nonce = secrets.token_hex(16)
-    cpu_s = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
-    cfg = {"code": code, "nonce": nonce, "uid": 0x70000000 + secrets.randbelow(1 << 24),
-           "namespaces": limits.namespaces, "landlock": limits.landlock,
-           "limits": {"cpu_s": cpu_s, "memory_bytes": limits.memory_bytes, "max_processes": limits.max_processes,
-                      "max_file_bytes": limits.max_file_bytes, "max_open_files": limits.max_open_files}}
-    status_r, status_w = os.pipe()
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
-    proc = None
+    launch = _Launch([_config(code, limits, nonce=nonce)])
+    (box,) = launch.boxes
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(status_w)], cwd=workdir, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                pass_fds=(status_w,), start_new_session=True)
-        os.close(status_w)
-        status_w = -1
-        try:
-            proc.stdin.write(json.dumps(cfg).encode())
-            proc.stdin.close()
-        except BrokenPipeError:  # the launcher died at once: reported below as such
-            pass
-        out, status, why, runner = _collect(proc, status_r, t0, limits)
-        if "report" in status:  # the launcher has reaped the runner; give its last output a moment to arrive
-            _drain(proc, out, time.monotonic() + 0.5, limits)
-        elif runner:  # not reaped, so its pid is still its own: killing it ends its whole PID namespace
-            _kill(None, runner)
-        _kill(proc.pid, None)  # the group, whatever is left in it (the launcher is not reaped yet: no pid reuse)
-        proc.wait()
+        why = _wait([box], t0, limits, lambda: box.ended)
+        if "report" in box.status:  # the keeper has reaped the runner; give its last output a moment to arrive
+            box.drain(time.monotonic() + 0.5, limits)
     finally:
-        os.close(status_r)
-        if status_w >= 0:
-            os.close(status_w)
-        if proc is not None and proc.poll() is None:
-            _kill(proc.pid, None)
-            proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-    text = bytes(out[: limits.keep_output_bytes]).decode("utf-8", "replace")
-    final = status.get("report")
-    layers, _, report = (final or "").partition("\n") if final and final.startswith("{") else ("", "", final or "")
-    isolation = tuple(json.loads(layers)["layers"]) if layers else tuple(status.get("layers", ()))
-    code_ = status.get("status", proc.returncode)
-    if why is None:
-        if report == nonce:
-            why = "passed"
-        elif report:
-            why = report
-        elif "report" not in status:  # the launcher itself died: killed by the program where nothing stopped it
-            why = f"the sandbox launcher died ({_status_text(code_)}) before the program ended"
-        elif code_ is not None and code_ < 0:
-            why = f"killed by {_status_text(code_)}"
-        else:
-            why = f"exited with status {code_} before the end of the program"
-    setup_s = status["started"] - t0 if "started" in status else None
-    return SandboxResult(why == "passed", why, time.monotonic() - t0, code_, text, isolation, setup_s)
+        launch.close()
+    why = why or box.why(nonce, launch.proc.returncode)
+    setup_s = box.status["started"] - t0 if "started" in box.status else None
+    return SandboxResult(why == "passed", why, time.monotonic() - t0, box.status.get("status", launch.proc.returncode),
+                         bytes(box.out[: limits.keep_output_bytes]).decode("utf-8", "replace"),
+                         tuple(box.status.get("layers", ())), setup_s)
+
+
+def run_tests(code: str, entry_point: str, tests: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+    """Run the program ``tests`` against the function ``entry_point`` that ``code`` defines: ``code``
+    in one sandbox, serving calls, ``tests`` in another, where ``candidate`` calls it with plain data
+    and gets plain data back (or the candidate's exception, rebuilt as a builtin type or
+    ``CandidateError``). Passed means the tests ran to their end, as the tests' process reports it;
+    nothing the candidate's process writes can say so. ``timeout_s`` bounds both from the later start.
+
+    >>> run_tests("def f(x):\\n    return 2 * x\\n", "f", "assert candidate(21) == 42").passed
+    True
+    >>> run_tests("class A:\\n    def __eq__(self, o): return True\\ndef f(x):\\n    return A()\\n", "f",
+    ...           "assert candidate(21) == 42").reason
+    'TypeError: a A is not plain data (line 1: assert candidate(21) == 42)'
+    """
+    t0 = time.monotonic()
+    nonce = secrets.token_hex(16)
+    calls_r, calls_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    launch = None
+    try:
+        try:  # the candidate's job first: its keeper is forked before the tests' job is read
+            launch = _Launch([_config(code, limits, role="candidate", entry_point=entry_point, channel=(calls_r, answers_w)),
+                              _config(tests, limits, nonce=nonce, role="tests", channel=(answers_r, calls_w))])
+        finally:  # only the two sandboxes hold the channel: either one's end is the other's EOF
+            for fd in (calls_r, calls_w, answers_r, answers_w):
+                os.close(fd)
+        cand, judge = launch.boxes
+        why = _wait(launch.boxes, t0, limits, lambda: judge.ended)
+        launch.kill()  # and take what the candidate printed (its pipe has ended with it)
+        cand.drain(time.monotonic() + 0.2, limits)
+    finally:
+        if launch is not None:
+            launch.close()
+    why = why or judge.why(nonce, launch.proc.returncode)
+    if why.startswith("the candidate's process"):  # say how it ended, from its keeper (not from the candidate)
+        why += f" ({_end_text(cand)})"
+    starts = [b.status.get("started") for b in launch.boxes]
+    theirs = set(judge.status.get("layers", ()))
+    return SandboxResult(why == "passed", why, time.monotonic() - t0, judge.status.get("status", launch.proc.returncode),
+                         bytes((cand.out + judge.out)[: limits.keep_output_bytes]).decode("utf-8", "replace"),
+                         tuple(x for x in cand.status.get("layers", ()) if x in theirs),
+                         max(starts) - t0 if all(starts) else None)
+
+
+def _end_text(box: _Box) -> str:
+    if "started" not in box.status:  # what the launcher said before the program ran: its own words
+        return (box.status.get("report") or "it never started")[:200]
+    code_ = box.status.get("status")
+    return "still running" if code_ is None else f"killed by {_status_text(code_)}" if code_ < 0 else f"status {code_}"
 
 
 def readable(fds: list[int], timeout_s: float) -> list[int]:
@@ -301,57 +740,6 @@ def readable(fds: list[int], timeout_s: float) -> list[int]:
     for fd in fds:
         p.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
     return [fd for fd, _ in p.poll(max(0, int(timeout_s * 1000)) + 1)]
-
-
-def _drain(proc, out: bytearray, deadline: float, limits: SandboxLimits) -> bool:
-    """Read output until EOF or ``deadline``; False when it passed ``max_output_bytes``."""
-    fd = proc.stdout.fileno()
-    while (left := deadline - time.monotonic()) > 0:
-        if not readable([fd], left):
-            break
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            break
-        out += chunk
-        if len(out) > limits.max_output_bytes:
-            return False
-    return True
-
-
-def _collect(proc, status_fd: int, t0: float, limits: SandboxLimits):
-    """Read output and status lines until the launcher's final report, the deadline or the output cap."""
-    out, status, buf, runner = bytearray(), {}, b"", None
-    fds = [proc.stdout.fileno(), status_fd]
-    deadline = t0 + limits.setup_timeout_s
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            if "started" not in status:
-                return out, status, f"set-up took over {limits.setup_timeout_s:g} s", runner
-            return out, status, f"timed out after {limits.timeout_s:g} s", runner
-        ready = readable(fds, left)
-        if proc.stdout.fileno() in ready:
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            if not chunk:
-                fds.remove(proc.stdout.fileno())
-            out += chunk
-            if len(out) > limits.max_output_bytes:
-                return out, status, f"output over {limits.max_output_bytes} bytes", runner
-        if status_fd in ready:
-            chunk = os.read(status_fd, 65536)
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                runner = msg.get("pid", runner)
-                if msg.get("started"):
-                    msg["started"] = time.monotonic()
-                    deadline = msg["started"] + limits.timeout_s
-                status.update(msg)
-            if "status" in status:
-                return out, status, None, runner
-            if not chunk:  # the launcher died without a report (killed by the program, or a setup error)
-                return out, status, None, runner
 
 
 @functools.cache

@@ -125,3 +125,68 @@ def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:
         "os._exit(0) before the tests": ("import os\nos._exit(0)\nassert False\n", "before the end"),
         "setsid and sleep": ("import os, time\nos.setsid()\ntime.sleep(1000)\n", "timed out"),
     }
+
+
+def hostile_completions() -> dict[str, tuple[int, str]]:
+    """Completions that attack the code reward (``grpo_kit.tasks.code.code_reward``) instead of solving
+    the problem, for its tests and ``bench/rewards.py``: name -> (HumanEval problem number, the
+    completion: a body continuing the prompt, or whole functions). Every one must score 0. Problem 0
+    (``has_close_elements``) expects True and False in turn; problem 4 (``mean_absolute_deviation``)
+    is checked only through ``abs(candidate(...) - x) < 1e-6``."""
+    main = "    import os, sys\n    m = sys.modules['__main__']\n"
+    frame = ("    import json\n    def frame(msg):\n        b = json.dumps(msg).encode()\n"
+             "        return len(b).to_bytes(4, 'big') + b\n")
+    every_fd = ("    for fd in range(256):\n        try:\n            os.write(fd, data)\n"
+                "        except OSError:\n            pass\n")
+    return {
+        # The launcher's nonce and result pipe as globals of the interpreter the candidate runs in.
+        "nonce and pipe from __main__": (0, "    import sys, os; m = sys.modules['__main__']; "
+                                            "os.write(m.w_fd, m.nonce.encode()); os._exit(0)\n"),
+        # The same secret found through the stack instead of by name.
+        "nonce from the caller's frames": (0, "    import os, sys\n    f = sys._getframe()\n"
+                                              "    while f is not None and 'nonce' not in f.f_globals:\n"
+                                              "        f = f.f_back\n"
+                                              "    os.write(f.f_globals['w_fd'], f.f_globals['nonce'].encode())\n"
+                                              "    os._exit(0)\n"),
+        # Whatever the runner writes last becomes the secret.
+        "os.write patched to write the nonce": (0, main + "    real = os.write\n"
+                                                   "    os.write = lambda fd, b: real(fd, str(m.nonce).encode())\n"
+                                                   "    raise AssertionError\n"),
+        # No name needed: the secret (or anything) to every descriptor the process has, then a clean exit.
+        "the nonce to every open descriptor": (0, main + "    data = str(getattr(m, 'nonce', '')).encode()\n"
+                                                  + every_fd + "    os._exit(0)\n"),
+        # Answers for the next calls written ahead, to every descriptor, all True.
+        "answers written ahead to every descriptor": (0, main + frame + "    data = b''.join(frame(['ok', i, True])"
+                                                         " for i in range(64))\n" + every_fd + "    return True\n"),
+        # A child left behind writes after the candidate's process has gone.
+        "a forked child writes later": (0, main + "    import time\n    if os.fork() == 0:\n"
+                                           "        time.sleep(0.3)\n"
+                                           "        data = str(getattr(m, 'nonce', '')).encode()\n"
+                                           "        for fd in range(256):\n            try:\n"
+                                           "                os.write(fd, data)\n            except OSError:\n"
+                                           "                pass\n        os._exit(0)\n    os._exit(0)\n"),
+        "sys.exit and atexit patched": (0, "    import atexit, os, sys\n    m = sys.modules['__main__']\n"
+                                           "    atexit.register(lambda: os.write(m.w_fd, str(m.nonce).encode()))\n"
+                                           "    sys.exit = lambda *a: None\n    raise SystemExit(0)\n"),
+        # Objects whose comparisons always hold, returned for the tests to compare.
+        "an object equal to anything": (0, "    class Any:\n        def __eq__(self, other):\n            return True\n"
+                                           "        def __ne__(self, other):\n            return False\n"
+                                           "        __hash__ = object.__hash__\n    return Any()\n"),
+        "an int subclass equal to anything": (0, "    class B(int):\n        def __eq__(self, other):\n"
+                                                 "            return True\n        __hash__ = int.__hash__\n"
+                                                 "    return B(1)\n"),
+        "a float subclass near anything": (4, "    class F(float):\n        def __sub__(self, other):\n"
+                                              "            return 0.0\n    return F(0.0)\n"),
+        # The tests' own abs (their tolerance check) rebound; the first call (before it) answered right.
+        "builtins.abs rebound": (4, "    import builtins\n    builtins.abs = lambda x: 0\n    return 2.0 / 3.0\n"),
+        # The prompt's helper that the tests use (HumanEval/32 checks ``poly(coeffs, solution)``) redefined.
+        "the tests' helper redefined": (32, "```python\ndef poly(xs, x):\n    return 0.0\n\n\n"
+                                            "def find_zero(xs):\n    return 0.0\n```\n"),
+        # Every process it can signal, killed (the tests' process, if it could see it).
+        "kill every process it can": (0, "    import os, signal\n    try:\n        os.kill(-1, signal.SIGKILL)\n"
+                                         "    except OSError:\n        pass\n    return True\n"),
+        # Hostile answers: over the size bound, nested past the depth bound, raw garbage.
+        "an answer over the size bound": (0, "    return 'x' * (20 << 20)\n"),
+        "an answer nested too deeply": (0, "    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n"),
+        "garbage on the answer pipe": (0, main + "    data = b'\\xff' * 64\n" + every_fd + "    return True\n"),
+    }

