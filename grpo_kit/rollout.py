@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
@@ -175,7 +174,8 @@ def group_seed(seed: int, group_id: int) -> int:
 
 
 def check_request(n: int, version: int, max_new_tokens: int, temperature: float, *, has_store: bool) -> None:
-    """Reject bad arguments before any work; warn about tempered sampling."""
+    """Reject bad arguments before any work (any temperature > 0 is fine: the log-probs are of the
+    tempered distribution sampled from, and the trainer scores that one)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -186,13 +186,6 @@ def check_request(n: int, version: int, max_new_tokens: int, temperature: float,
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (use greedy() for argmax decoding), got {temperature!r}")
-    if temperature != 1.0:
-        warnings.warn(
-            f"temperature={temperature}: the returned log-probs are of the tempered distribution that was "
-            "sampled from, so the importance ratio is taken against the tempered policy",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def stop_token_ids(tokenizer, generation_config=None, model_config=None) -> list[int]:

@@ -48,18 +48,9 @@ def dlogp(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
     from .train_step import collate, token_logprobs
 
     batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0) for r in rollouts], pad_id=0)
-    scored = model
-    if temperature != 1.0:
-
-        class Tempered(torch.nn.Module):  # the distribution the engine sampled from
-            def forward(self, **kw):
-                out = model(**kw)
-                out.logits = out.logits / temperature
-                return out
-
-        scored = Tempered()
     with torch.no_grad():
-        logp = token_logprobs(scored, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
+                              temperature=temperature)
     m = batch.completion_mask.bool()
     return (logp[m] - batch.old_logp[m]).double()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -155,8 +156,9 @@ def test_bad_inputs(engine, tiny_path, problems):
         engine.generate(problems[:1], 0, 0, max_new_tokens=8)
     with pytest.raises(ValueError, match="max_model_len"):
         HFEngine(tiny_path, max_model_len=10_000)
-    with pytest.warns(UserWarning, match="tempered"):
-        engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)
+    with warnings.catch_warnings():  # a temperature other than 1 is a plain request now
+        warnings.simplefilter("error")
+        assert len(engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)) == 2
 
 
 def copy_with_config_eos(tiny_path: str, dest, extra_eos: int, generation_config: str):
@@ -233,8 +235,7 @@ def test_adapter_swap_and_back_to_base(engine, store, tiny_path, problems):
 
 
 def test_tempered_logprobs_are_of_the_sampled_distribution(engine, store, tiny_path, problems):
-    with pytest.warns(UserWarning, match="tempered"):
-        out = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, temperature=0.7)
+    out = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, temperature=0.7)
     model = scorer(tiny_path, store, 1)
     assert_aligned(dlogp(model, out, temperature=0.7))
     assert dlogp(model, out).abs().max().item() > 0.05  # the untempered policy differs

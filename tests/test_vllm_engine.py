@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -103,8 +104,9 @@ def test_bad_inputs(engine, problems):
         engine.generate([problems[0], long], 2, 0, max_new_tokens=MAX_NEW)
     with pytest.raises(VersionNotFoundError, match="version 9"):
         engine.generate(problems[:1], 2, 9, max_new_tokens=8)
-    with pytest.warns(UserWarning, match="tempered"):
-        engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)
+    with warnings.catch_warnings():  # a temperature other than 1 is a plain request now
+        warnings.simplefilter("error")
+        assert len(engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.7)) == 2
     store, engine.store = engine.store, None
     try:
         with pytest.raises(ValueError, match="no AdapterStore"):
@@ -188,8 +190,7 @@ def test_lora_modes_and_merged_weights(tiny_path, store, tmp_path):
 
 def test_tempered_and_greedy_logprobs(engine, store, tiny_path, problems):
     model = scorer(tiny_path, store, 1)
-    with pytest.warns(UserWarning, match="tempered"):
-        out = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, temperature=0.7)
+    out = engine.generate(problems, 6, 1, max_new_tokens=MAX_NEW, temperature=0.7)
     assert_aligned(dlogp(model, out, temperature=0.7))  # processed_logprobs: the tempered distribution
     assert dlogp(model, out).abs().max().item() > 0.05
     assert_aligned(dlogp(model, engine.greedy(problems, 1, max_new_tokens=MAX_NEW)), min_tokens=256)
