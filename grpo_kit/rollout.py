@@ -404,8 +404,10 @@ class HFEngine:
         B, width = len(prompts), max((len(p) for p in prompts), default=0)
         if not prompts:
             return []
-        if min(len(p) for p in prompts) < 1 or width + max(max_new_tokens) > self.max_model_len:
-            raise ValueError(f"prompts must be non-empty and fit max_model_len={self.max_model_len} with their budget")
+        for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            if not p or len(p) + m > self.max_model_len:
+                raise ValueError(f"row {i}: a prompt of {len(p)} ids + max_new_tokens={m} does not fit "
+                                 f"max_model_len={self.max_model_len} (or the prompt is empty)")
         ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left-padded; positions count real tokens only

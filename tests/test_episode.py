@@ -94,6 +94,16 @@ def assert_exact_stream(episodes, rec, renderer, min_tokens):
     assert sum(ep.sampled_tokens for ep in episodes) >= min_tokens
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread (as in test_rollout): on a shared CPU, spinning OpenMP workers cost far more
+    than they give on models this small."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_engine():
     return HFEngine(str(tiny.ensure_tiny_model()), max_model_len=512)
