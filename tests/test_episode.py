@@ -13,7 +13,7 @@ from grpo_kit import data, models, tiny
 from grpo_kit.episode import EpisodeConfig, EpisodeRunner, episode_seed
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation, HFEngine
-from grpo_kit.testing import assert_aligned
+from grpo_kit.testing import assert_aligned, policy
 from grpo_kit.tools import ToolCall
 from grpo_kit.train_step import token_logprobs
 
@@ -129,7 +129,7 @@ def test_tiny_stream_is_exact_and_aligned_with_the_trainer(tiny_engine):
                 assert ep.completion_ids[s.start:s.end] == tiny_engine.tokenizer.encode(text, add_special_tokens=False)
         # one environment per episode: its reward counts only its own calls
         assert ep.env_reward == ep.tool_calls and ep.tool_calls in (ep.turns - 1, ep.turns)
-    assert_aligned(teacher_forced(tiny_engine._base, eps), min_tokens=300)
+    assert_aligned(teacher_forced(policy(tiny_engine.model_path, None, 0), eps), min_tokens=300)
 
 
 def test_episodes_reproduce_by_seed_alone(tiny_engine):
@@ -163,7 +163,7 @@ def test_smollm2_stream_is_exact_and_aligned_with_the_trainer(smol_path):
             if s.kind == "env":  # the template's tool turn and the next assistant header
                 env = engine.tokenizer.decode(ep.completion_ids[s.start:s.end])
                 assert "<|im_start|>tool\nnoted" in env and env.endswith("<|im_start|>assistant\n")
-    assert_aligned(teacher_forced(engine._base, eps), min_tokens=100)
+    assert_aligned(teacher_forced(policy(smol_path, None, 0), eps), min_tokens=100)
     # the real Hermes parser: the base model does not call tools, so its episodes end answered
     plain = EpisodeRunner(engine, renderer, environment_factory=Notes, cfg=EpisodeConfig(max_turn_tokens=24))
     assert all(e.end_reason in ("answered", "budget") for e in plain.run(problems[:1], 2, seed=0))
