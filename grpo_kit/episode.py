@@ -41,7 +41,7 @@ from . import data
 from .prompts import PromptFormat
 from .renderers import PrefixError, Renderer, decode
 from .rollout import Continuation
-from .tools import ToolBox, ToolResult, environment_tools, parser
+from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
 
 END_REASONS = ("answered", "max_turns", "budget", "error")
 
@@ -150,7 +150,12 @@ class Episode:
         return sum(self.mask)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (it crosses Dask and goes to JSONL)."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Episode:
+        return cls(**{**d, "segments": [Segment(**s) for s in d["segments"]]})
 
 
 def episode_seed(seed: int, iteration: int, group_id: int, sample_idx: int) -> int:
@@ -316,6 +321,6 @@ class EpisodeRunner:
         if lv.env is None or not callable(getattr(lv.env, "get_reward", None)) or lv.ep.end_reason == "error":
             return
         try:
-            lv.ep.env_reward = float(lv.env.get_reward())
+            lv.ep.env_reward = float(resolve(lv.env.get_reward()))
         except Exception as e:  # the episode stays; its reward is missing (the trainer decides)
             lv.ep.error = f"get_reward raised {type(e).__name__}: {e}"

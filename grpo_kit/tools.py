@@ -22,12 +22,13 @@ user's tools and environment classes plug in unchanged:
   call, an unknown tool, arguments that do not bind to the signature, a tool that raises, a tool
   past its time limit (run in a daemon thread that is abandoned at the limit; a tool that runs
   untrusted code should use :func:`grpo_kit.sandbox.run_python`, which kills it), and calls past
-  ``max_calls`` in one turn.
+  ``max_calls`` in one turn. ``async def`` tools (and ``get_reward``) are awaited in the call's thread.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import inspect
 import json
 import threading
@@ -193,6 +194,17 @@ class ToolResult:
     """Wall-clock time of the call."""
 
 
+def resolve(value: Any) -> Any:
+    """A tool's (or ``get_reward``'s) value; an ``async def`` one's awaitable is run to its end here
+    (TRL takes async tools too)."""
+    if inspect.isawaitable(value):
+        async def wait():
+            return await value
+
+        return asyncio.run(wait())
+    return value
+
+
 def error_text(message: str) -> str:
     """The tool answer for a failure (JSON, so the model sees one stable shape)."""
     return json.dumps({"error": message})
@@ -230,7 +242,7 @@ class ToolBox:
 
         def target() -> None:
             try:
-                box["value"] = fn(*call.args, **(call.kwargs or {}))
+                box["value"] = resolve(fn(*call.args, **(call.kwargs or {})))
             except BaseException as e:  # reported to the model; the run goes on
                 box["raised"] = e
 

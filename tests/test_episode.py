@@ -3,6 +3,7 @@ TRL-shaped environments, stopping rules, seeds, and tools that do not hold other
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from grpo_kit import data, models, tiny
-from grpo_kit.episode import EpisodeConfig, EpisodeRunner, episode_seed
+from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, episode_seed
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation, HFEngine
 from grpo_kit.testing import assert_aligned, policy
@@ -228,6 +229,7 @@ def test_a_trl_environment_plugs_in_unchanged(smol_tok):
     runner = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Counter)
     problems = data.synthetic_problems(2, split="train", seed=0)
     eps = runner.run(problems, 3, seed=0)
+    assert [Episode.from_dict(json.loads(json.dumps(e.to_dict()))) for e in eps] == eps  # crosses Dask, JSONL
     for ep in eps:  # 1 + 2, each episode its own counter
         assert (ep.end_reason, ep.turns, ep.tool_calls, ep.env_reward, ep.tool_errors) == ("answered", 3, 2, 3.0, {})
         assert [m["content"] for m in ep.messages[3::2]] == ["1", "3"] and ep.messages[-1]["content"] == "#### done"

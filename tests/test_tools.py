@@ -8,8 +8,16 @@ import time
 
 import pytest
 
-from grpo_kit.tools import (ERROR_KINDS, HermesParser, PlainParser, ToolBox, ToolCall, environment_tools, parser,
-                            tool_schema)
+from grpo_kit.tools import (
+    ERROR_KINDS,
+    HermesParser,
+    PlainParser,
+    ToolBox,
+    ToolCall,
+    environment_tools,
+    parser,
+    tool_schema,
+)
 
 SIDE_EFFECTS: list[str] = []
 
@@ -191,3 +199,17 @@ def test_bad_tools_and_environments_fail_at_set_up():
 
 def test_parsers_find_nothing_in_plain_answers():
     assert HermesParser().parse("#### 42") == [] == PlainParser().parse("#### 42")
+
+
+async def fetch(url: str) -> str:
+    """An async tool (TRL takes them).
+
+    Args:
+        url: Where from.
+    """
+    return f"got {url}"
+
+
+def test_async_tools_are_awaited():
+    (r,) = [ToolBox([fetch]).call(c) for c in PlainParser().parse("<call>fetch('x')</call>")]
+    assert (r.content, r.error) == ("got x", None)
