@@ -173,6 +173,18 @@ def turn_seed(ep_seed: int, turn: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{ep_seed}/{turn}".encode(), digest_size=8).digest(), "little") >> 2
 
 
+def counts(episodes: Sequence[Episode]) -> dict[str, int]:
+    """An iteration's episode counters for its metrics: end reasons (``end_<reason>``), tool calls and
+    tool errors by kind (``tool_error_<kind>``), turns, sampled and environment tokens."""
+    c: Counter = Counter()
+    for ep in episodes:
+        c[f"end_{ep.end_reason}"] += 1
+        c.update({f"tool_error_{k}": v for k, v in ep.tool_errors.items()})
+        c.update(tool_calls=ep.tool_calls, turns=ep.turns, sampled_tokens=ep.sampled_tokens,
+                 env_tokens=len(ep.completion_ids) - ep.sampled_tokens)
+    return dict(c)
+
+
 def problem_row(p: data.Problem) -> dict[str, Any]:
     """The keyword arguments of ``reset``: the problem as a TRL dataset row."""
     return {"prompt": p.question, "gold": p.gold, "id": p.id, **p.columns}
@@ -226,6 +238,9 @@ class EpisodeRunner:
                 ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
         ep.prompt_ids = self.renderer.encode(live.history)
+        if len(ep.prompt_ids) + self.cfg.max_turn_tokens > self.engine.max_model_len:
+            raise ValueError(f"problem {p.id!r}: prompt of {len(ep.prompt_ids)} tokens + max_turn_tokens="
+                             f"{self.cfg.max_turn_tokens} exceeds the engine's context of {self.engine.max_model_len}")
         return live
 
     def turn(self, live: Live, out: Continuation) -> list | None:

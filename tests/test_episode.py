@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from grpo_kit import data, models, tiny
-from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, episode_seed
+from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation, HFEngine
 from grpo_kit.testing import assert_aligned, policy
@@ -250,6 +250,7 @@ def test_stopping_rules_and_errors(smol_tok):
     (ep,) = EpisodeRunner(bad, ChatRenderer(smol_tok), environment_factory=Counter).run(
         data.synthetic_problems(1, split="train", seed=0), 1)
     assert (ep.end_reason, ep.tool_calls, ep.tool_errors) == ("answered", 1, {"malformed": 1})
+    assert counts([ep])["tool_error_malformed"] == 1
     assert '"error"' in ep.messages[-2]["content"]
 
     class Broken(Counter):
@@ -262,6 +263,10 @@ def test_stopping_rules_and_errors(smol_tok):
     eps = EpisodeRunner(always, ChatRenderer(smol_tok), environment_factory=Broken,
                         cfg=EpisodeConfig(max_turns=2)).run(problems, 1)
     assert [e.end_reason for e in eps] == ["error", "max_turns"] and "no such level" in eps[0].error
+    assert counts(eps) == {"end_error": 1, "end_max_turns": 1, "tool_calls": 1, "turns": 2,
+                           "sampled_tokens": eps[1].sampled_tokens, "env_tokens": eps[1].segments[1].end - eps[1].segments[1].start}
+    with pytest.raises(ValueError, match="exceeds the engine's context"):
+        EpisodeRunner(FakeEngine(smol_tok, str, max_model_len=64), ChatRenderer(smol_tok)).run(problems, 1)
 
 
 def test_a_slow_tool_holds_only_its_own_episode(smol_tok):
