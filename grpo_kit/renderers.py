@@ -12,8 +12,9 @@ environment segment (:meth:`extend`): the tool messages and the next assistant h
   stream. Two checks make that an invariant instead of an assumption, each a :class:`PrefixError`
   that names the fix: (1) text: the rendering starts with the stream's text (prompt, the decoded
   turns with their end-of-turn tokens, earlier environment segments); Qwen3's template breaks it
-  by dropping or reformatting past ``<think>`` blocks, a template breaks it when the model ended its
-  turn with another token than the template writes; (2) tokens: the environment text tokenizes to
+  (checked with its real template) by re-rendering past ``<think>`` blocks in its own whitespace and
+  dropping those before the last user message, and any template does when the model ended its turn
+  with another token than the template writes; (2) tokens: the environment text tokenizes to
   the same ids alone as at the end of the whole rendering (SentencePiece's leading space, or a BPE
   merge across the boundary, break it). Sampled ids are never compared with a re-tokenization: a
   non-canonical tokenization the model sampled is what it saw, and it stays.
@@ -127,10 +128,11 @@ class ChatRenderer:
                 "the chat template does not render the episode so far as the stream holds it: at character "
                 f"{at} the stream has {history[max(0, at - 30): at + 30]!r} but the template renders "
                 f"{full[max(0, at - 30): at + 30]!r}. The template re-renders earlier turns differently (Qwen3's "
-                "drops or reformats past <think> blocks), or the model ended its turn with another token than the "
-                "template writes. Fix: pass a prefix-preserving template as chat_template= (e.g. TRL's "
-                "trl.chat_template_utils.get_training_chat_template(tokenizer)), or template kwargs that keep "
-                "history verbatim (Qwen3: enable_thinking=False); never train on a stream the template would not give")
+                "reformats past <think> blocks as '<think>\\n...\\n</think>\\n\\n' and drops those before the last "
+                "user message), or the model ended its turn with another token than the template writes. Fix: pass "
+                "chat_template= a template that renders past assistant turns verbatim (for Qwen3, its own template "
+                "with the assistant branch reduced to {{ message.content }}); TRL's get_training_chat_template keeps "
+                "past reasoning but still reformats it")
         env = full[len(history):]
         ids, whole, head = self.encode(env), self.encode(full), self.encode(history)
         if head + ids != whole:
