@@ -289,18 +289,22 @@ def test_a_slow_tool_holds_only_its_own_episode(smol_tok):
 
     engine = FakeEngine(smol_tok, lambda text, turn: call(1) if turn < 2 else "done")
 
-    def watcher():  # release the slow tool once the fast episodes have finished their turns
-        while sum(len(p) for _, p in engine.calls) < 4 + 2 + 2:
+    def rows(word):
+        return [i for i, (_, prompts) in enumerate(engine.calls) for p in prompts if word in p]
+
+    def watcher():  # release the slow tool once the fast episodes have sampled their three turns
+        while len(rows("FASTQ")) < 2 * 3:
             time.sleep(0.01)
         release.set()
 
     threading.Thread(target=watcher, daemon=True).start()
-    problems = [data.Problem("slow", "q", "1"), data.Problem("fast", "q", "1")]
+    problems = [data.Problem("slow", "SLOWQ", "1"), data.Problem("fast", "FASTQ", "1")]
     eps = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Slow,
                         cfg=EpisodeConfig(tool_timeout_s=10)).run(problems, 2)
     assert all(e.end_reason == "answered" and e.env_reward == 2.0 for e in eps)
-    sizes = [len(p) for _, p in engine.calls]
-    assert sizes[:3] == [4, 2, 2] and sum(sizes) == 12, sizes  # the fast pair went on while the slow pair waited
+    assert len(rows("SLOWQ")) == len(rows("FASTQ")) == 6
+    # the fast pair played all its turns while the slow pair waited on its first tool call
+    assert max(rows("FASTQ")) < min(i for i in rows("SLOWQ") if i > 0), engine.calls
 
 
 # ----------------------------------------------------------------------------- prefix property
