@@ -75,7 +75,7 @@ def teacher_forced(model, episodes) -> torch.Tensor:
     return torch.cat(d)
 
 
-def assert_exact_stream(episodes, rec, renderer, min_tokens):
+def assert_exact_stream(episodes, rec, renderer, min_tokens, min_multi):
     """Model segments are the engine's ids verbatim with their log-probs, env segments are mask 0,
     log-prob 0 and the renderer's tokenization of the tool answers."""
     sampled = {(tuple(o.ids), tuple(o.logprobs)) for o in rec.outs}
@@ -91,7 +91,7 @@ def assert_exact_stream(episodes, rec, renderer, min_tokens):
             else:
                 assert set(mask) == {0} and set(lps) == {0.0} and len(ids) > 0
         multi += len(ep.segments) >= 3
-    assert multi >= len(episodes) // 2, "most episodes should have several turns"
+    assert multi >= min_multi, f"only {multi} episodes had several turns"
     assert sum(ep.sampled_tokens for ep in episodes) >= min_tokens
 
 
@@ -122,7 +122,7 @@ def test_tiny_stream_is_exact_and_aligned_with_the_trainer(tiny_engine):
                            cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
     problems = data.synthetic_problems(3, split="train", seed=0)
     eps = runner.run(problems, 3, seed=4, iteration=2)
-    assert_exact_stream(eps, rec, renderer, min_tokens=300)
+    assert_exact_stream(eps, rec, renderer, min_tokens=300, min_multi=len(eps) // 2)
     for ep in eps:  # env ids are the plain format's result lines, tokenized once
         for k, s in enumerate(ep.segments):
             if s.kind == "env":
@@ -153,10 +153,10 @@ def test_smollm2_stream_is_exact_and_aligned_with_the_trainer(smol_path):
     renderer = ChatRenderer(engine.tokenizer, stop=(".",))  # short turns: a stop string or the end-of-turn token
     assert not renderer.native_tools  # SmolLM2's ChatML template ignores tools=: described in the system message
     runner = EpisodeRunner(rec, renderer, environment_factory=Notes, tool_parser=Scripted(),
-                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=32, max_tokens=200))
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
     problems = data.synthetic_problems(2, split="train", seed=0, n_digits=2)
-    eps = runner.run(problems, 2, seed=0)
-    assert_exact_stream(eps, rec, renderer, min_tokens=100)
+    eps = runner.run(problems, 3, seed=0)
+    assert_exact_stream(eps, rec, renderer, min_tokens=100, min_multi=2)
     text = engine.tokenizer.decode(eps[0].prompt_ids)
     assert "<tool_call>" in text and '"name": "note"' in text
     for ep in eps:
