@@ -220,6 +220,21 @@ def make_rollout(tokenizer, problem: data.Problem, prompt: list[int], ids: list[
     )
 
 
+@dataclass
+class Continuation:
+    """One sampled continuation of a token-id prompt (a turn of a multi-turn episode, see
+    :meth:`HFEngine.sample_ids` and :mod:`grpo_kit.episode`)."""
+
+    ids: list[int]
+    """Sampled ids, cut by the stop rules: ends with the stop id, or with the token that completed a stop string."""
+    logprobs: list[float]
+    """Sampling log-prob of each id (the tempered distribution that was sampled from)."""
+    finish_reason: str
+    """``"stop"`` (a stop id or stop string) or ``"length"`` (``max_new_tokens`` reached)."""
+    stop: str | None = None
+    """The stop string that ended it (None: a stop id, or length)."""
+
+
 # ----------------------------------------------------------------------------- transformers engine
 
 
@@ -376,6 +391,59 @@ class HFEngine:
             rollouts.append(make_rollout(self.tokenizer, problems[i], prompts[i], ids[:end], lps[:end], finish, self.stop,
                                          group_id=group_offset + i, sample_idx=j, version=version))
         return rollouts
+
+    def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
+                   version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]:
+        """Continue each token-id prompt as given (nothing re-tokenized), row ``i`` sampled from its own
+        generator seeded with ``seeds[i]`` (so a row's ids do not depend on the other rows, up to float
+        rounding of the batch) and cut at ``max_new_tokens[i]``, a stop id or a ``stop`` string.
+        Top-k and top-p off; log-probs are of the tempered distribution sampled from."""
+        import torch
+        from transformers import DynamicCache
+
+        check_request(1, version, max(max_new_tokens, default=1), temperature, has_store=self.store is not None)
+        B, width = len(prompts), max((len(p) for p in prompts), default=0)
+        if not prompts:
+            return []
+        for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            if not p or len(p) + m > self.max_model_len:
+                raise ValueError(f"row {i}: a prompt of {len(p)} ids + max_new_tokens={m} does not fit "
+                                 f"max_model_len={self.max_model_len} (or the prompt is empty)")
+        ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left-padded; positions count real tokens only
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(list(p)), 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
+        out = [Continuation([], [], "length") for _ in range(B)]
+        live, stops = set(range(B)), set(self.stop_ids)
+        with self._policy(version), torch.no_grad():
+            cache = DynamicCache()
+            step = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
+            for _ in range(max(max_new_tokens)):
+                logits = self._model(**step, past_key_values=cache, use_cache=True).logits[:, -1]
+                logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
+                nxt = torch.full((B,), self.pad_token_id, dtype=torch.long, device=self.device)
+                for i in sorted(live):
+                    tok = int(torch.multinomial(logp[i].exp(), 1, generator=gens[i]))
+                    c = out[i]
+                    c.ids.append(tok)
+                    c.logprobs.append(float(logp[i, tok]))
+                    nxt[i] = tok
+                    if tok in stops:
+                        c.finish_reason = "stop"
+                    elif stop and any(s in self.tokenizer.decode(c.ids, skip_special_tokens=True) for s in stop):
+                        cut = cut_completion(self.tokenizer, c.ids, "length", stop)
+                        c.ids, c.logprobs, c.finish_reason, c.stop = c.ids[:cut.n_tokens], c.logprobs[:cut.n_tokens], "stop", cut.stop
+                    if c.finish_reason == "stop" or len(c.ids) >= max_new_tokens[i]:
+                        live.discard(i)
+                if not live:
+                    break
+                mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
+                pos = pos[:, -1:] + 1
+                step = {"input_ids": nxt[:, None], "attention_mask": mask, "position_ids": pos}
+        return out
 
     def close(self) -> None:
         """Drop the model (frees its memory once nothing else holds it)."""

@@ -62,8 +62,16 @@ from collections.abc import Sequence
 from grpo_kit import data
 from grpo_kit.config import LORA_MODES
 from grpo_kit.logs import reload_misses
-from grpo_kit.prompts import PromptFormat, encode_prompts
-from grpo_kit.rollout import Rollout, check_request, engine_batch_seqs, group_seed, make_rollout, stop_token_ids
+from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts
+from grpo_kit.rollout import (
+    Continuation,
+    Rollout,
+    check_request,
+    engine_batch_seqs,
+    group_seed,
+    make_rollout,
+    stop_token_ids,
+)
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -341,6 +349,40 @@ class VLLMEngine:
                                              "stop" if eos_last else "length", self.stop,
                                              group_id=group_offset + i, sample_idx=c.index, version=version))
         return rollouts
+
+    def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
+                   version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]:
+        """One continuation per token-id prompt (a ``TokensPrompt``, nothing re-tokenized), request ``i``
+        seeded with ``seeds[i]``; the contract of :meth:`grpo_kit.rollout.HFEngine.sample_ids`."""
+        import torch
+
+        check_request(1, version, max(max_new_tokens, default=1), temperature, has_store=self.store is not None)
+        for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            if not p or len(p) + m > self.max_model_len:
+                raise ValueError(f"row {i}: a prompt of {len(p)} ids + max_new_tokens={m} does not fit "
+                                 f"max_model_len={self.max_model_len} (or the prompt is empty)")
+        if not prompts:
+            return []
+        extra = {"flat_logprobs": True} if self._flat else {}
+        extra.update({"stop": list(stop), "include_stop_str_in_output": True, "detokenize": True} if stop
+                     else {"detokenize": False})
+        params = [self._SamplingParams(logprobs=0, n=1, temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0,
+                                       seed=int(s), max_tokens=int(m), **extra)
+                  for s, m in zip(seeds, max_new_tokens, strict=True)]
+        with self._lock:
+            if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
+                torch.set_num_threads(self._cpu_threads)
+            outs = self.llm.generate([self._TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                     lora_request=self.lora_for(version), use_tqdm=False)
+        result = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            eos_last = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.stop_ids
+            cut = cut_completion(self.tokenizer, ids, "stop" if eos_last else "length", stop)
+            result.append(Continuation(ids[: cut.n_tokens], _sampled_logprobs(c, ids)[: cut.n_tokens],
+                                       cut.finish_reason, cut.stop))
+        return result
 
     def close(self) -> None:
         """Shut the engine core down, free its memory and restore torch's thread count (best effort:

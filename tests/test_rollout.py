@@ -244,3 +244,32 @@ def test_tempered_logprobs_are_of_the_sampled_distribution(engine, store, tiny_p
 def test_greedy_logprobs_are_the_policy(engine, store, tiny_path, problems):
     out = engine.greedy(problems, 1, max_new_tokens=MAX_NEW)
     assert_aligned(dlogp(scorer(tiny_path, store, 1), out), min_tokens=256)
+
+
+# ----------------------------------------------------------------------------- token-id continuations (episode turns)
+
+
+def test_sample_ids_continues_each_row_from_its_own_seed(engine, problems):
+    prompts = [engine.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems[:6]]
+    kw = {"version": 1, "max_new_tokens": [MAX_NEW] * 6}
+    a = engine.sample_ids(prompts, seeds=range(6), **kw)
+    assert [dataclasses.asdict(c) for c in a] == [dataclasses.asdict(c) for c in engine.sample_ids(prompts, seeds=range(6), **kw)]
+    alone = engine.sample_ids(prompts[2:3], seeds=[2], version=1, max_new_tokens=[MAX_NEW])
+    assert alone[0].ids == a[2].ids  # a row does not depend on the others in its call
+    assert [c.ids for c in engine.sample_ids(prompts, seeds=range(1, 7), **kw)] != [c.ids for c in a]
+    for c in a:
+        assert len(c.ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs)
+        assert (c.finish_reason == "stop") == (c.ids[-1] == engine.eos_token_id)
+    cut = engine.sample_ids(prompts, seeds=range(6), stop=("=",), **kw)  # "1+9=10": a stop string ends the turn
+    for c, full in zip(cut, a, strict=True):
+        assert (c.finish_reason, c.stop) == ("stop", "=") and c.ids == full.ids[: len(c.ids)]
+        assert engine.tokenizer.decode(c.ids).count("=") == 1 and engine.tokenizer.decode(c.ids[:-1]).count("=") == 0
+
+
+def test_sample_ids_checks_the_context_row_by_row(engine, problems):
+    short = engine.tokenizer.encode(problems[0].prompt, add_special_tokens=False)
+    long = (short * 20)[: engine.max_model_len - 8]
+    out = engine.sample_ids([long, short], seeds=[0, 1], max_new_tokens=[8, 100])  # each row fits its budget
+    assert len(out[0].ids) <= 8 and len(out[1].ids) <= 100
+    with pytest.raises(ValueError, match="row 0"):
+        engine.sample_ids([long], seeds=[0], max_new_tokens=[9])

@@ -434,3 +434,20 @@ def test_merged_engine_samples_with_the_embedding_lora(tiny_path, tmp_path):
     finally:
         engine.close()
     assert_aligned(dlogp(scorer(model_dir, s, 1), out), min_tokens=32)
+
+
+def test_episodes_on_token_id_prompts(engine, store, tiny_path):
+    """Multi-turn episodes through sample_ids (a TokensPrompt per turn, a seed per request): the
+    stream's sampled ids carry the policy's log-probs, and a retried run reproduces its episodes."""
+    from test_episode import Notes, Scripted, teacher_forced
+
+    from grpo_kit.episode import EpisodeConfig, EpisodeRunner
+    from grpo_kit.renderers import PlainRenderer
+
+    runner = EpisodeRunner(engine, PlainRenderer(engine.tokenizer), environment_factory=Notes, tool_parser=Scripted(),
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+    problems = data.synthetic_problems(3, split="train", seed=0)
+    a = runner.run(problems, 3, 1, seed=3)
+    assert [e.completion_ids for e in runner.run(problems, 3, 1, seed=3)] == [e.completion_ids for e in a]
+    assert sum(len(e.segments) >= 3 for e in a) >= len(a) // 2 and all(e.segments[-1].kind == "model" for e in a)
+    assert_aligned(teacher_forced(scorer(tiny_path, store, 1), a), min_tokens=300)

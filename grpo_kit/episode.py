@@ -1,0 +1,341 @@
+"""Multi-turn episodes: the :class:`Episode` record and the runner that plays them.
+
+An episode is one token stream, never re-tokenized: ``prompt_ids``, then ``completion_ids``, the
+segments after the prompt in order: each model turn's sampled ids kept verbatim (``mask`` 1, with
+their sampling log-probs), and after a turn with tool calls the environment segment, the renderer's
+ids for the tool answers and the next assistant header, tokenized once (``mask`` 0, log-prob 0.0)
+(:mod:`grpo_kit.renderers` checks the chat template's prefix property on every extension).
+
+Environments and tools follow TRL's ``environment_factory`` / ``tools=`` contract
+(:mod:`grpo_kit.tools`): one environment instance per episode, ``reset(**row)`` with the problem's
+row (``prompt`` = the question, ``gold``, ``id`` and the problem's ``columns``) whose text, when not
+None, is appended to the user message; its public methods are tools beside the standalone ones;
+``get_reward()``, when defined, scores the finished episode (:attr:`Episode.env_reward`).
+
+An episode ends (:attr:`Episode.end_reason`) ``"answered"``: a turn ended by a stop id or stop
+string with no tool call in it; ``"max_turns"``: turn ``max_turns`` still called tools (they are not
+run, so the stream ends on the model's ids); ``"budget"``: a turn reached its token limit, or the
+next turn or environment segment would not fit ``max_tokens`` (the completion side: sampled and
+environment ids) or the engine's context; ``"error"``: the environment's ``reset`` or the rendering
+of its answers raised (:attr:`Episode.error`). A :class:`~grpo_kit.renderers.PrefixError` is raised,
+not recorded: it is a configuration fault, and training on that stream would be wrong.
+
+Scheduling: every episode whose next turn is due is sampled in one engine call (:class:`TurnEngine`);
+each episode's tool calls then run in a thread pool (in order within the episode; episodes
+concurrently), and the next engine call takes the episodes whose tools have answered (those still
+waiting after ``gather_s`` join a later call), so a slow tool holds only its own episode. Seeds:
+turn ``t`` of the episode of ``(iteration, group_id, sample_idx)`` samples from a generator seeded
+with :func:`turn_seed` of :func:`episode_seed`, so a retried task reproduces its episodes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from . import data
+from .prompts import PromptFormat
+from .renderers import PrefixError, Renderer, decode
+from .rollout import Continuation
+from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
+
+END_REASONS = ("answered", "max_turns", "budget", "error")
+
+
+class TurnEngine(Protocol):
+    """What the runner needs from an engine: continue token-id prompts (:meth:`HFEngine.sample_ids`;
+    vLLM: a ``TokensPrompt`` per row with ``SamplingParams(seed=...)``)."""
+
+    tokenizer: Any
+    stop_ids: list[int]
+    max_model_len: int
+
+    def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
+                   version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]: ...
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    """Limits of an episode and of its tools."""
+
+    max_turns: int = 4
+    """Model turns at most."""
+    max_turn_tokens: int = 64
+    """Sampled tokens per turn at most (a turn cut here ends the episode with ``"budget"``)."""
+    max_tokens: int = 256
+    """Completion-side tokens (sampled + environment) per episode at most."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs are of the tempered distribution)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call (past it: a ``"timeout"`` error answer)."""
+    max_calls_per_turn: int = 8
+    """Tool calls run per turn; later ones are answered with a ``"too_many_calls"`` error."""
+    tool_workers: int = 8
+    """Threads running the episodes' tool calls."""
+    gather_s: float = 0.05
+    """How long the runner waits for more tool answers before sampling the episodes that have one."""
+
+
+@dataclass
+class Segment:
+    """A run of ``completion_ids``: ``[start, end)``."""
+
+    kind: str
+    """``"model"`` (sampled, mask 1) or ``"env"`` (environment and template ids, mask 0)."""
+    start: int
+    """First index in ``completion_ids``."""
+    end: int
+    """One past the last index."""
+    finish_reason: str | None = None
+    """For a model turn: ``"stop"`` or ``"length"``."""
+
+
+@dataclass
+class Episode:
+    """One multi-turn episode (module docstring)."""
+
+    prompt_id: str
+    """The problem's id."""
+    group_id: int
+    """Group (problem) index in the batch."""
+    sample_idx: int
+    """Index within the group."""
+    iteration: int
+    """Training iteration (part of the seed)."""
+    seed: int
+    """:func:`episode_seed` of the run seed, iteration, group and sample."""
+    version: int
+    """Adapter version that sampled it."""
+    gold: str | None
+    """The problem's gold answer."""
+    prompt_ids: list[int] = field(default_factory=list)
+    """The rendered prompt's ids."""
+    completion_ids: list[int] = field(default_factory=list)
+    """Everything after the prompt: model and environment segments, in order."""
+    mask: list[int] = field(default_factory=list)
+    """Per completion id: 1 sampled by the policy, 0 environment/template."""
+    logprobs: list[float] = field(default_factory=list)
+    """Per completion id: the sampling log-prob (0.0 where ``mask`` is 0)."""
+    segments: list[Segment] = field(default_factory=list)
+    """The turns and environment answers as runs of ``completion_ids``."""
+    messages: list[dict] = field(default_factory=list)
+    """The conversation for display: assistant content is each turn's exact text."""
+    end_reason: str | None = None
+    """One of :data:`END_REASONS` (None while running)."""
+    tool_calls: int = 0
+    """Tool calls answered (good or not)."""
+    tool_errors: dict = field(default_factory=dict)
+    """Failed calls by :data:`grpo_kit.tools.ERROR_KINDS` kind."""
+    env_reward: float | None = None
+    """``get_reward()`` of the environment, when it has one and it did not raise."""
+    error: str | None = None
+    """What raised, for ``end_reason == "error"`` or a failed ``get_reward``."""
+
+    @property
+    def stream(self) -> list[int]:
+        """The whole token stream: prompt then completion side."""
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def turns(self) -> int:
+        return sum(s.kind == "model" for s in self.segments)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled (``sum(mask)``): the loss's token count."""
+        return sum(self.mask)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types (it crosses Dask and goes to JSONL)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Episode:
+        return cls(**{**d, "segments": [Segment(**s) for s in d["segments"]]})
+
+
+def episode_seed(seed: int, iteration: int, group_id: int, sample_idx: int) -> int:
+    """A 62-bit seed per episode.
+
+    >>> episode_seed(0, 1, 2, 3) == episode_seed(0, 1, 2, 3) != episode_seed(0, 1, 2, 4)
+    True
+    """
+    digest = hashlib.blake2b(f"{seed}:{iteration}:{group_id}:{sample_idx}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def turn_seed(ep_seed: int, turn: int) -> int:
+    """The seed of one turn of an episode."""
+    return int.from_bytes(hashlib.blake2b(f"{ep_seed}/{turn}".encode(), digest_size=8).digest(), "little") >> 2
+
+
+def counts(episodes: Sequence[Episode]) -> dict[str, int]:
+    """An iteration's episode counters for its metrics: end reasons (``end_<reason>``), tool calls and
+    tool errors by kind (``tool_error_<kind>``), turns, sampled and environment tokens."""
+    c: Counter = Counter()
+    for ep in episodes:
+        c[f"end_{ep.end_reason}"] += 1
+        c.update({f"tool_error_{k}": v for k, v in ep.tool_errors.items()})
+        c.update(tool_calls=ep.tool_calls, turns=ep.turns, sampled_tokens=ep.sampled_tokens,
+                 env_tokens=len(ep.completion_ids) - ep.sampled_tokens)
+    return dict(c)
+
+
+def problem_row(p: data.Problem) -> dict[str, Any]:
+    """The keyword arguments of ``reset``: the problem as a TRL dataset row."""
+    return {"prompt": p.question, "gold": p.gold, "id": p.id, **p.columns}
+
+
+@dataclass
+class Live:
+    """An episode being played and what it needs besides its record."""
+
+    ep: Episode
+    env: Any
+    box: ToolBox
+    schemas: list[dict]
+    history: str = ""
+    """The stream as text (prompt, decoded turns, environment texts)."""
+
+
+def append(ep: Episode, kind: str, ids: Sequence[int], logprobs: Sequence[float] | None = None,
+           finish_reason: str | None = None) -> None:
+    start = len(ep.completion_ids)
+    ep.completion_ids += list(ids)
+    ep.mask += [1 if kind == "model" else 0] * len(ids)
+    ep.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+    ep.segments.append(Segment(kind, start, len(ep.completion_ids), finish_reason))
+
+
+class EpisodeRunner:
+    """Plays episodes with ``engine`` and ``renderer`` (module docstring). ``tools`` are standalone
+    tool functions; ``environment_factory`` makes one environment per episode (TRL's shape)."""
+
+    def __init__(self, engine: TurnEngine, renderer: Renderer, *, tools: Sequence[Callable] = (),
+                 environment_factory: Callable[[], Any] | None = None, cfg: EpisodeConfig = EpisodeConfig(),
+                 prompt_format: PromptFormat | None = None, tool_parser=None) -> None:
+        self.engine, self.renderer, self.tools, self.factory = engine, renderer, list(tools), environment_factory
+        self.cfg, self.fmt = cfg, prompt_format or PromptFormat()
+        self.parser = tool_parser or parser(renderer.format)
+
+    def start(self, p: data.Problem, ep: Episode) -> Live:
+        env = self.factory() if self.factory is not None else None
+        box = ToolBox(self.tools + (environment_tools(env) if env is not None else []),
+                      timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_calls_per_turn)
+        live = Live(ep, env, box, box.schemas())
+        ep.messages = self.fmt.messages(p.question)
+        if env is not None:
+            try:
+                obs = env.reset(**problem_row(p))
+            except Exception as e:  # one broken row must not stop the batch
+                ep.end_reason, ep.error = "error", f"reset raised {type(e).__name__}: {e}"
+                return live
+            if obs is not None:
+                ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
+        live.history = self.renderer.prompt(ep.messages, live.schemas)
+        ep.prompt_ids = self.renderer.encode(live.history)
+        if len(ep.prompt_ids) + self.cfg.max_turn_tokens > self.engine.max_model_len:
+            raise ValueError(f"problem {p.id!r}: prompt of {len(ep.prompt_ids)} tokens + max_turn_tokens="
+                             f"{self.cfg.max_turn_tokens} exceeds the engine's context of {self.engine.max_model_len}")
+        return live
+
+    def turn(self, live: Live, out: Continuation) -> list | None:
+        """Record a sampled turn; the tool calls to run, or None when the episode ends here."""
+        ep = live.ep
+        append(ep, "model", out.ids, out.logprobs, out.finish_reason)
+        ends_on_id = out.finish_reason == "stop" and out.stop is None and out.ids[-1] in self.engine.stop_ids
+        tok = self.engine.tokenizer
+        content = decode(tok, out.ids[:-1] if ends_on_id else out.ids)
+        ep.messages.append({"role": "assistant", "content": content})
+        live.history += decode(tok, out.ids)
+        calls = self.parser.parse(content)
+        if out.finish_reason == "length":
+            ep.end_reason = "budget"
+        elif not calls:
+            ep.end_reason = "answered"
+        elif ep.turns >= self.cfg.max_turns:
+            ep.end_reason = "max_turns"
+        return None if ep.end_reason else calls
+
+    def answer(self, live: Live, results: list[ToolResult]) -> bool:
+        """Append the environment's answers; whether the episode goes on."""
+        ep = live.ep
+        ep.tool_calls += len(results)
+        ep.tool_errors = dict(Counter(ep.tool_errors) + Counter(r.error for r in results if r.error))
+        n = len(ep.messages)
+        ep.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+        try:
+            env_text = self.renderer.extend(ep.messages, live.history, live.schemas)
+        except PrefixError:
+            raise
+        except Exception as e:  # e.g. a template that rejects the messages
+            ep.end_reason, ep.error = "error", f"rendering the tool answers raised {type(e).__name__}: {e}"
+            return False
+        ids = self.renderer.encode(env_text)
+        if len(ep.completion_ids) + len(ids) >= self.cfg.max_tokens or \
+                len(ep.stream) + len(ids) >= self.engine.max_model_len:
+            del ep.messages[n:]  # the messages stay those of the stream
+            ep.end_reason = "budget"
+            return False
+        append(ep, "env", ids)
+        live.history += env_text
+        return True
+
+    def run(self, problems: Sequence[data.Problem], n: int, version: int = 0, *, seed: int = 0, iteration: int = 0,
+            group_offset: int = 0) -> list[Episode]:
+        """``n`` episodes per problem, grouped consecutively (``group_id = group_offset + i``)."""
+        lives = []
+        for i, p in enumerate(problems):
+            for j in range(n):
+                ep = Episode(p.id, group_offset + i, j, iteration, episode_seed(seed, iteration, group_offset + i, j),
+                             version, p.gold)
+                lives.append(self.start(p, ep))
+        ready = [lv for lv in lives if lv.ep.end_reason is None]
+        pending: dict[cf.Future, Live] = {}
+        with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="episode-tools") as pool:
+            while ready or pending:
+                ready = [lv for lv in ready if self.budget(lv) > 0 or self.end(lv, "budget")]
+                if ready:
+                    outs = self.engine.sample_ids(
+                        [lv.ep.stream for lv in ready], seeds=[turn_seed(lv.ep.seed, lv.ep.turns) for lv in ready],
+                        max_new_tokens=[self.budget(lv) for lv in ready], version=version,
+                        temperature=self.cfg.temperature, stop=self.renderer.stop)
+                    for lv, out in zip(ready, outs, strict=True):
+                        calls = self.turn(lv, out)
+                        if calls:
+                            pending[pool.submit(lv.box.call_all, calls)] = lv
+                ready = []
+                if pending:
+                    done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                    done |= cf.wait(set(pending) - done, timeout=self.cfg.gather_s)[0]
+                    for f in sorted(done, key=lambda f: lives.index(pending[f])):  # a stable batch order
+                        lv = pending.pop(f)
+                        if self.answer(lv, f.result()):
+                            ready.append(lv)
+        for lv in lives:
+            self.finish(lv)
+        return [lv.ep for lv in lives]
+
+    def budget(self, lv: Live) -> int:
+        """Tokens the next turn may sample."""
+        ep = lv.ep
+        return min(self.cfg.max_turn_tokens, self.cfg.max_tokens - len(ep.completion_ids),
+                   self.engine.max_model_len - len(ep.stream))
+
+    @staticmethod
+    def end(lv: Live, reason: str) -> bool:
+        lv.ep.end_reason = reason
+        return False
+
+    @staticmethod
+    def finish(lv: Live) -> None:
+        if lv.env is None or not callable(getattr(lv.env, "get_reward", None)) or lv.ep.end_reason == "error":
+            return
+        try:
+            lv.ep.env_reward = float(resolve(lv.env.get_reward()))
+        except Exception as e:  # the episode stays; its reward is missing (the trainer decides)
+            lv.ep.error = f"get_reward raised {type(e).__name__}: {e}"

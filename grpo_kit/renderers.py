@@ -1,0 +1,174 @@
+"""Renderers: how an episode's conversation becomes token ids, appended once and never re-tokenized.
+
+An episode is one token stream (:mod:`grpo_kit.episode`): the prompt's ids, then each model turn's
+sampled ids verbatim, then the environment's ids, and so on. A renderer makes the two kinds of ids
+the policy did not sample: the prompt (:meth:`prompt`) and, after a turn with tool calls, the
+environment segment (:meth:`extend`): the tool messages and the next assistant header.
+
+- :class:`ChatRenderer` (models with a chat template) renders the whole conversation so far, tool
+  messages included, with ``add_generation_prompt=True`` and takes the text past what the stream
+  already holds. The assistant messages carry the exact decoded text of each turn (tool-call markup
+  included, ``tool_calls`` not set), so a template that renders history verbatim reproduces the
+  stream. Two checks make that an invariant instead of an assumption, each a :class:`PrefixError`
+  that names the fix: (1) text: the rendering starts with the stream's text (prompt, the decoded
+  turns with their end-of-turn tokens, earlier environment segments); Qwen3's template breaks it
+  (checked with its real template) by re-rendering past ``<think>`` blocks in its own whitespace and
+  dropping those before the last user message, and any template does when the model ended its turn
+  with another token than the template writes; (2) tokens: the environment text tokenizes to
+  the same ids alone as at the end of the whole rendering (SentencePiece's leading space, or a BPE
+  merge across the boundary, break it). Sampled ids are never compared with a re-tokenization: a
+  non-canonical tokenization the model sampled is what it saw, and it stays.
+  Tools go to the template as ``tools=`` (their JSON schemas) when the template renders them;
+  otherwise (SmolLM2's ChatML template ignores ``tools=``) they are described, with the Hermes call
+  format, in a system message (:data:`TOOLS_SYSTEM`), which replaces the template's default one.
+- :class:`PlainRenderer` (the tiny model, no template): the kit's plain prompt
+  (``Question: <user message>\\nAnswer:\\n``, i.e. ``data.PROMPT_TEMPLATE``) with a line per tool
+  before it; a tool answer is appended as ``"\\nResult: <content>\\n"`` (:data:`PLAIN_RESULT`).
+  This format is defined by the stream itself, so there is no template to check against.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Protocol
+
+from .tools import PLAIN_STOP
+
+TOOLS_SYSTEM = ("You can call these tools (JSON schemas):\n{schemas}\nTo call a tool, write "
+                '<tool_call>{{"name": <tool name>, "arguments": <JSON object>}}</tool_call> and end your turn.')
+"""The system message that describes tools to a chat template that ignores ``tools=``."""
+PLAIN_RESULT = "\nResult: {content}\n"
+"""A tool answer in the plain format."""
+
+
+class PrefixError(ValueError):
+    """The chat template does not extend the episode's stream (see the module docstring)."""
+
+
+class Renderer(Protocol):
+    """What the episode runner needs from a renderer."""
+
+    tokenizer: object
+    format: str
+    """The tool-call format its model writes (a :data:`grpo_kit.tools.PARSERS` name)."""
+    stop: tuple[str, ...]
+    """Stop strings that end a turn (besides the model's stop ids)."""
+
+    def prompt(self, messages: list[dict], schemas: Sequence[dict]) -> str: ...
+
+    def extend(self, messages: list[dict], history: str, schemas: Sequence[dict]) -> str:
+        """The environment text that follows ``history`` (the stream so far, as text) once the tool
+        messages at the end of ``messages`` are added, up to the next assistant header."""
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Text to ids the way prompts are tokenized (the rendered text carries its special tokens)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Ids to the exact text they stand for, special tokens included."""
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def supports_tools(tokenizer, **template_kwargs) -> bool:
+    """Whether the chat template renders ``tools=`` (a probe schema changes the rendering)."""
+    probe = [{"type": "function", "function": {"name": "probe_tool_7f3a", "description": "probe",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    with_tools = tokenizer.apply_chat_template(msgs, tools=probe, tokenize=False, add_generation_prompt=True,
+                                               **template_kwargs)
+    return plain != with_tools
+
+
+def first_difference(a: str, b: str) -> int:
+    """Index of the first character where ``a`` and ``b`` differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+class ChatRenderer:
+    """A chat template as the episode renderer (module docstring); ``template_kwargs`` go to every
+    ``apply_chat_template`` call (e.g. ``chat_template=`` a prefix-preserving template)."""
+
+    format = "hermes"
+
+    def __init__(self, tokenizer, *, stop: Sequence[str] = (), **template_kwargs) -> None:
+        if not getattr(tokenizer, "chat_template", None) and "chat_template" not in template_kwargs:
+            raise ValueError("ChatRenderer needs a tokenizer with a chat template (use PlainRenderer)")
+        self.tokenizer, self.stop, self.template_kwargs = tokenizer, tuple(stop), template_kwargs
+        self.native_tools = supports_tools(tokenizer, **template_kwargs)
+
+    def render(self, messages: list[dict], schemas: Sequence[dict]) -> str:
+        """The conversation up to the next assistant header."""
+        tools = {"tools": list(schemas)} if self.native_tools and schemas else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools,
+                                                  **self.template_kwargs)
+
+    def prompt(self, messages: list[dict], schemas: Sequence[dict]) -> str:
+        """The prompt's text; the tools' system message is added to ``messages`` when the template
+        does not render ``tools=``."""
+        if schemas and not self.native_tools:
+            text = TOOLS_SYSTEM.format(schemas="\n".join(json.dumps(s) for s in schemas))
+            if messages and messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+            else:
+                messages.insert(0, {"role": "system", "content": text})
+        return self.render(messages, schemas)
+
+    def extend(self, messages: list[dict], history: str, schemas: Sequence[dict]) -> str:
+        full = self.render(messages, schemas)
+        if not full.startswith(history):
+            at = first_difference(full, history)
+            raise PrefixError(
+                "the chat template does not render the episode so far as the stream holds it: at character "
+                f"{at} the stream has {history[max(0, at - 30): at + 30]!r} but the template renders "
+                f"{full[max(0, at - 30): at + 30]!r}. The template re-renders earlier turns differently (Qwen3's "
+                "reformats past <think> blocks as '<think>\\n...\\n</think>\\n\\n' and drops those before the last "
+                "user message), or the model ended its turn with another token than the template writes. Fix: pass "
+                "chat_template= a template that renders past assistant turns verbatim (for Qwen3, its own template "
+                "with the assistant branch reduced to {{ message.content }}); TRL's get_training_chat_template keeps "
+                "past reasoning but still reformats it")
+        env = full[len(history):]
+        ids, whole, head = self.encode(env), self.encode(full), self.encode(history)
+        if head + ids != whole:
+            raise PrefixError(
+                f"the environment text {env[:60]!r} tokenizes differently alone ({ids[:8]}...) than after the "
+                f"conversation ({whole[len(head):len(head) + 8]}...): SentencePiece's leading space or a merge "
+                "across the boundary. Fix: a template whose tool and assistant headers start with a special token, "
+                "or a tokenizer without a dummy prefix (e.g. legacy=False, add_prefix_space=False)")
+        return env
+
+    def encode(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)
+
+
+class PlainRenderer:
+    """The plain format for a model without a chat template (module docstring)."""
+
+    format = "plain"
+    stop = (PLAIN_STOP,)
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def prompt(self, messages: list[dict], schemas: Sequence[dict]) -> str:
+        lines = [f"Tool: {s['function']['name']}({', '.join(s['function']['parameters'].get('properties', {}))})"
+                 f" {s['function'].get('description', '')}".rstrip() for s in schemas]
+        user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        return "".join(f"{line}\n" for line in lines) + f"Question: {user}\nAnswer:\n"  # data.PROMPT_TEMPLATE
+
+    def extend(self, messages: list[dict], history: str, schemas: Sequence[dict]) -> str:
+        tail = []
+        for m in reversed(messages):
+            if m["role"] != "tool":
+                break
+            tail.insert(0, PLAIN_RESULT.format(content=m["content"]))
+        return "".join(tail)
+
+    def encode(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)

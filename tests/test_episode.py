@@ -1,0 +1,342 @@
+"""Multi-turn episodes: the stream's exactness on real models (the tiny one, SmolLM2-135M-Instruct),
+TRL-shaped environments, stopping rules, seeds, and tools that do not hold other episodes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from grpo_kit import data, models, tiny
+from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed
+from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
+from grpo_kit.rollout import Continuation, HFEngine
+from grpo_kit.testing import assert_aligned, policy
+from grpo_kit.tools import ToolCall
+from grpo_kit.train_step import token_logprobs
+
+
+class Recording:
+    """An engine wrapper that keeps every continuation it returned (to check they are kept verbatim)
+    and the rows of each call."""
+
+    def __init__(self, engine):
+        self.engine, self.outs, self.calls = engine, [], []
+        self.tokenizer, self.stop_ids, self.max_model_len = engine.tokenizer, engine.stop_ids, engine.max_model_len
+
+    def sample_ids(self, prompts, **kw):
+        out = self.engine.sample_ids(prompts, **kw)
+        self.calls.append([list(p) for p in prompts])
+        self.outs += out
+        return out
+
+
+class Scripted:
+    """A parser that reads a call to ``note`` in every turn, so a model that never learned tools
+    still plays multi-turn episodes."""
+
+    def parse(self, text):
+        return [ToolCall("note", kwargs={"text": text[:12]})]
+
+
+class Notes:
+    """An environment written for TRL's environment_factory: reset, a public tool, get_reward."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.notes = []
+        return None
+
+    def note(self, text: str) -> str:
+        """Write a note down.
+
+        Args:
+            text: What to note.
+        """
+        self.notes.append(text)
+        return f"noted {len(self.notes)}"
+
+    def get_reward(self) -> float:
+        return float(len(self.notes))
+
+
+def teacher_forced(model, episodes) -> torch.Tensor:
+    """(N,) trainer log-prob minus sampling log-prob over the mask-1 tokens of every episode's stream."""
+    d = []
+    for ep in episodes:
+        ids = torch.tensor([ep.stream])
+        mask = torch.tensor([[0] * len(ep.prompt_ids) + ep.mask])
+        with torch.no_grad():
+            logp = token_logprobs(model, ids, torch.ones_like(ids), mask)[0, len(ep.prompt_ids):]
+        m = torch.tensor(ep.mask).bool()
+        d.append(logp[m].double() - torch.tensor(ep.logprobs, dtype=torch.float64)[m])
+    return torch.cat(d)
+
+
+def assert_exact_stream(episodes, rec, renderer, min_tokens, min_multi):
+    """Model segments are the engine's ids verbatim with their log-probs, env segments are mask 0,
+    log-prob 0 and the renderer's tokenization of the tool answers."""
+    sampled = {(tuple(o.ids), tuple(o.logprobs)) for o in rec.outs}
+    multi = 0
+    for ep in episodes:
+        assert len(ep.completion_ids) == len(ep.mask) == len(ep.logprobs)
+        assert [s.kind for s in ep.segments] == ["model", "env"] * (len(ep.segments) // 2) + ["model"] * (len(ep.segments) % 2)
+        assert ep.segments[-1].kind == "model"  # no masked tail: the stream ends on the model's ids
+        for s in ep.segments:
+            ids, lps, mask = ep.completion_ids[s.start:s.end], ep.logprobs[s.start:s.end], ep.mask[s.start:s.end]
+            if s.kind == "model":
+                assert (tuple(ids), tuple(lps)) in sampled and set(mask) == {1}
+            else:
+                assert set(mask) == {0} and set(lps) == {0.0} and len(ids) > 0
+        multi += len(ep.segments) >= 3
+    assert multi >= min_multi, f"only {multi} episodes had several turns"
+    assert sum(ep.sampled_tokens for ep in episodes) >= min_tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One intra-op thread (as in test_rollout): on a shared CPU, spinning OpenMP workers cost far more
+    than they give on models this small."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    return HFEngine(str(tiny.ensure_tiny_model()), max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def smol_path():
+    return models.resolve_model("smollm2-135m")
+
+
+def test_tiny_stream_is_exact_and_aligned_with_the_trainer(tiny_engine):
+    rec = Recording(tiny_engine)
+    renderer = PlainRenderer(tiny_engine.tokenizer)
+    runner = EpisodeRunner(rec, renderer, environment_factory=Notes, tool_parser=Scripted(),
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+    problems = data.synthetic_problems(3, split="train", seed=0)
+    eps = runner.run(problems, 3, seed=4, iteration=2)
+    assert_exact_stream(eps, rec, renderer, min_tokens=300, min_multi=len(eps) // 2)
+    for ep in eps:  # env ids are the plain format's result lines, tokenized once
+        for k, s in enumerate(ep.segments):
+            if s.kind == "env":
+                text = PLAIN_RESULT.format(content=f"noted {(k + 1) // 2}")
+                assert ep.completion_ids[s.start:s.end] == tiny_engine.tokenizer.encode(text, add_special_tokens=False)
+        # one environment per episode: its reward counts only its own calls
+        assert ep.env_reward == ep.tool_calls and ep.tool_calls in (ep.turns - 1, ep.turns)
+    assert_aligned(teacher_forced(policy(tiny_engine.model_path, None, 0), eps), min_tokens=300)
+
+
+def test_episodes_reproduce_by_seed_alone(tiny_engine):
+    runner = EpisodeRunner(tiny_engine, PlainRenderer(tiny_engine.tokenizer), environment_factory=Notes,
+                           tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=2, max_turn_tokens=24, max_tokens=120))
+    problems = data.synthetic_problems(3, split="train", seed=1)
+    a = runner.run(problems, 2, seed=7, iteration=5)
+    b = runner.run(problems, 2, seed=7, iteration=5)
+    assert [e.to_dict() for e in a] == [e.to_dict() for e in b]  # a retried task
+    alone = runner.run(problems[2:], 2, seed=7, iteration=5, group_offset=2)  # a group's episodes, without the rest
+    assert [e.completion_ids for e in alone] == [e.completion_ids for e in a[4:]]
+    c = runner.run(problems, 2, seed=7, iteration=6)
+    assert [e.completion_ids for e in c] != [e.completion_ids for e in a]
+    assert a[0].seed == episode_seed(7, 5, 0, 0) != a[1].seed
+
+
+def test_smollm2_stream_is_exact_and_aligned_with_the_trainer(smol_path):
+    engine = HFEngine(smol_path, max_model_len=1024)
+    rec = Recording(engine)
+    renderer = ChatRenderer(engine.tokenizer, stop=(".",))  # short turns: a stop string or the end-of-turn token
+    assert not renderer.native_tools  # SmolLM2's ChatML template ignores tools=: described in the system message
+    runner = EpisodeRunner(rec, renderer, environment_factory=Notes, tool_parser=Scripted(),
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+    problems = data.synthetic_problems(2, split="train", seed=0, n_digits=2)
+    eps = runner.run(problems, 3, seed=0)
+    assert_exact_stream(eps, rec, renderer, min_tokens=100, min_multi=2)
+    text = engine.tokenizer.decode(eps[0].prompt_ids)
+    assert "<tool_call>" in text and '"name": "note"' in text
+    for ep in eps:
+        for s in ep.segments:
+            if s.kind == "env":  # the template's tool turn and the next assistant header
+                env = engine.tokenizer.decode(ep.completion_ids[s.start:s.end])
+                assert "<|im_start|>tool\nnoted" in env and env.endswith("<|im_start|>assistant\n")
+    assert_aligned(teacher_forced(policy(smol_path, None, 0), eps), min_tokens=100)
+    # the real Hermes parser: the base model does not call tools, so its episodes end answered
+    plain = EpisodeRunner(engine, renderer, environment_factory=Notes, cfg=EpisodeConfig(max_turn_tokens=24))
+    assert all(e.end_reason in ("answered", "budget") for e in plain.run(problems[:1], 2, seed=0))
+    engine.close()
+
+
+# ----------------------------------------------------------------------------- scripted engine
+
+
+class FakeEngine:
+    """Replies with ``script(stream_text, turn)`` tokenized, EOS last (log-prob -0.5 each)."""
+
+    def __init__(self, tokenizer, script, max_model_len=2048):
+        self.tokenizer, self.script, self.max_model_len = tokenizer, script, max_model_len
+        self.stop_ids, self.calls = [tokenizer.eos_token_id], []
+
+    def sample_ids(self, prompts, *, seeds, max_new_tokens, version=0, temperature=1.0, stop=()):
+        self.calls.append((time.perf_counter(), [self.tokenizer.decode(p) for p in prompts]))
+        out = []
+        for p, limit in zip(prompts, max_new_tokens, strict=True):
+            text = self.tokenizer.decode(p)
+            ids = self.tokenizer.encode(self.script(text, text.count("<|im_start|>assistant") - 1),
+                                        add_special_tokens=False) + self.stop_ids
+            out.append(Continuation(ids[:limit], [-0.5] * len(ids[:limit]), "stop" if len(ids) <= limit else "length"))
+        return out
+
+
+@pytest.fixture(scope="module")
+def smol_tok(smol_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_path)
+
+
+class Counter:
+    """Exactly the shape TRL's docs give for environment_factory."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.count = 0
+        self.gold = kwargs["gold"]
+        return f" Start from {self.count}."
+
+    def increment(self, step: int) -> int:
+        """Increment the counter.
+
+        Args:
+            step: The amount to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def call(step):
+    return f'<tool_call>\n{{"name": "increment", "arguments": {{"step": {step}}}}}\n</tool_call>'
+
+
+def test_a_trl_environment_plugs_in_unchanged(smol_tok):
+    engine = FakeEngine(smol_tok, lambda text, turn: call(turn + 1) if turn < 2 else "#### done")
+    runner = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Counter)
+    problems = data.synthetic_problems(2, split="train", seed=0)
+    eps = runner.run(problems, 3, seed=0)
+    assert [Episode.from_dict(json.loads(json.dumps(e.to_dict()))) for e in eps] == eps  # crosses Dask, JSONL
+    for ep in eps:  # 1 + 2, each episode its own counter
+        assert (ep.end_reason, ep.turns, ep.tool_calls, ep.env_reward, ep.tool_errors) == ("answered", 3, 2, 3.0, {})
+        assert [m["content"] for m in ep.messages[3::2]] == ["1", "3"] and ep.messages[-1]["content"] == "#### done"
+        assert "Start from 0." in ep.messages[1]["content"]  # reset's text joins the user message
+        assert [m["role"] for m in ep.messages[-5:]] == ["assistant", "tool", "assistant", "tool", "assistant"]
+        assert smol_tok.decode(ep.stream).count("<|im_start|>tool\n") == 2
+
+
+def test_stopping_rules_and_errors(smol_tok):
+    always = FakeEngine(smol_tok, lambda text, turn: call(1))
+    eps = EpisodeRunner(always, ChatRenderer(smol_tok), environment_factory=Counter,
+                        cfg=EpisodeConfig(max_turns=2)).run(data.synthetic_problems(1, split="train", seed=0), 2)
+    assert [(e.end_reason, e.turns, e.tool_calls) for e in eps] == [("max_turns", 2, 1)] * 2
+    eps = EpisodeRunner(always, ChatRenderer(smol_tok), environment_factory=Counter,
+                        cfg=EpisodeConfig(max_turns=9, max_tokens=120)).run(data.synthetic_problems(1, split="train", seed=0), 1)
+    assert eps[0].end_reason == "budget" and len(eps[0].completion_ids) <= 120 and eps[0].segments[-1].kind == "model"
+    bad = FakeEngine(smol_tok, lambda text, turn: "<tool_call>{oops</tool_call>" if turn == 0 else "fine")
+    (ep,) = EpisodeRunner(bad, ChatRenderer(smol_tok), environment_factory=Counter).run(
+        data.synthetic_problems(1, split="train", seed=0), 1)
+    assert (ep.end_reason, ep.tool_calls, ep.tool_errors) == ("answered", 1, {"malformed": 1})
+    assert counts([ep])["tool_error_malformed"] == 1
+    assert '"error"' in ep.messages[-2]["content"]
+
+    class Broken(Counter):
+        def reset(self, **kwargs):
+            if kwargs["id"].endswith("0"):
+                raise RuntimeError("no such level")
+            return super().reset(**kwargs)
+
+    problems = [data.Problem("p0", "q", "1"), data.Problem("p1", "q", "1")]
+    eps = EpisodeRunner(always, ChatRenderer(smol_tok), environment_factory=Broken,
+                        cfg=EpisodeConfig(max_turns=2)).run(problems, 1)
+    assert [e.end_reason for e in eps] == ["error", "max_turns"] and "no such level" in eps[0].error
+    assert counts(eps) == {"end_error": 1, "end_max_turns": 1, "tool_calls": 1, "turns": 2,
+                           "sampled_tokens": eps[1].sampled_tokens, "env_tokens": eps[1].segments[1].end - eps[1].segments[1].start}
+    with pytest.raises(ValueError, match="exceeds the engine's context"):
+        EpisodeRunner(FakeEngine(smol_tok, str, max_model_len=64), ChatRenderer(smol_tok)).run(problems, 1)
+
+
+def test_a_slow_tool_holds_only_its_own_episode(smol_tok):
+    release = threading.Event()
+
+    class Slow(Counter):
+        def reset(self, **kwargs):
+            self.slow = kwargs["id"] == "slow"
+            return super().reset(**kwargs)
+
+        def increment(self, step: int) -> int:
+            """Increment, slowly for one episode.
+
+            Args:
+                step: The amount to add.
+            """
+            if self.slow:
+                release.wait(5)
+            return super().increment(step)
+
+    engine = FakeEngine(smol_tok, lambda text, turn: call(1) if turn < 2 else "done")
+
+    def rows(word):
+        return [i for i, (_, prompts) in enumerate(engine.calls) for p in prompts if word in p]
+
+    def watcher():  # release the slow tool once the fast episodes have sampled their three turns
+        while len(rows("FASTQ")) < 2 * 3:
+            time.sleep(0.01)
+        release.set()
+
+    threading.Thread(target=watcher, daemon=True).start()
+    problems = [data.Problem("slow", "SLOWQ", "1"), data.Problem("fast", "FASTQ", "1")]
+    eps = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Slow,
+                        cfg=EpisodeConfig(tool_timeout_s=10)).run(problems, 2)
+    assert all(e.end_reason == "answered" and e.env_reward == 2.0 for e in eps)
+    assert len(rows("SLOWQ")) == len(rows("FASTQ")) == 6
+    # the fast pair played all its turns while the slow pair waited on its first tool call
+    assert max(rows("FASTQ")) < min(i for i in rows("SLOWQ") if i > 0), engine.calls
+
+
+# ----------------------------------------------------------------------------- prefix property
+
+
+def test_a_template_that_drops_past_thinking_fails_clearly(smol_tok):
+    qwen3_like = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                  "{% if m.role == 'assistant' %}{{ m.content.split('</think>')[-1].lstrip() }}"
+                  "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    engine = FakeEngine(smol_tok, lambda text, turn: "<think>add one</think>" + call(1))
+    runner = EpisodeRunner(engine, ChatRenderer(smol_tok, chat_template=qwen3_like), environment_factory=Counter)
+    with pytest.raises(PrefixError, match="chat_template="):
+        runner.run(data.synthetic_problems(1, split="train", seed=0), 1)
+    same = FakeEngine(smol_tok, lambda text, turn: call(1) if turn == 0 else "ok")  # no thinking: the prefix holds
+    (ep,) = EpisodeRunner(same, ChatRenderer(smol_tok, chat_template=qwen3_like), environment_factory=Counter).run(
+        data.synthetic_problems(1, split="train", seed=0), 1)
+    assert ep.end_reason == "answered"
+
+
+def test_an_environment_text_that_merges_across_the_boundary_fails_clearly(smol_tok):
+    merging = ("{% for m in messages %}{% if m.role == 'tool' %}{{ 'ing ' + m.content + ' A:' }}"
+               "{% elif m.role == 'assistant' %}{{ m.content }}{% else %}{{ m.content + ' A:' }}{% endif %}{% endfor %}")
+
+    class Going:
+        def sample_ids(self, prompts, *, seeds, max_new_tokens, **kw):
+            ids = smol_tok.encode(" go", add_special_tokens=False)  # a stop string ended it: no end-of-turn token
+            return [Continuation(ids, [-1.0] * len(ids), "stop", stop="go") for _ in prompts]
+
+    eng = Going()
+    eng.tokenizer, eng.stop_ids, eng.max_model_len = smol_tok, [smol_tok.eos_token_id], 512
+    runner = EpisodeRunner(eng, ChatRenderer(smol_tok, chat_template=merging), tools=[], tool_parser=Scripted(),
+                           environment_factory=Notes)
+    with pytest.raises(PrefixError, match="tokenizes differently"):
+        runner.run([data.Problem("p", "Let us", "1")], 1)

@@ -1,0 +1,215 @@
+"""Tool schemas, the Hermes and plain tool-call parsers, and execution that turns every failure into
+an answer for the model (never an exception)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from grpo_kit.tools import (
+    ERROR_KINDS,
+    HermesParser,
+    PlainParser,
+    ToolBox,
+    ToolCall,
+    environment_tools,
+    parser,
+    tool_schema,
+)
+
+SIDE_EFFECTS: list[str] = []
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first term.
+        b: The second term.
+    """
+    return a + b
+
+
+def boom(x: int) -> float:
+    """Divide by zero.
+
+    Args:
+        x: Anything.
+    """
+    return x / 0
+
+
+def slow(seconds: float) -> str:
+    """Sleep.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    SIDE_EFFECTS.append("slow finished")
+    return "awake"
+
+
+def listing(n: int) -> list:
+    """A list, not a string.
+
+    Args:
+        n: Its length.
+    """
+    return list(range(n))
+
+
+BOX = ToolBox([add, boom, slow, listing], timeout_s=0.3, max_calls=3)
+
+
+def run(fmt: str, text: str):
+    return [BOX.call(c) for c in parser(fmt).parse(text)]
+
+
+HERMES = [
+    # (text, expected [(content or None, error kind)]; content None: not checked) -- why the row is here
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', [("3", None)]),  # the plain case
+    ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 4, "b": 5}}\n</tool_call> and more text',
+     [("9", None)]),  # extra text around the call and the template's newlines inside it
+    ('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>', [("2", None)]),  # args as a JSON string
+    ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', [(None, "malformed")]),  # bad JSON
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', [(None, "malformed")]),  # never closed
+    ('<tool_call><tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call></tool_call>',
+     [(None, "malformed")]),  # nested tags: one malformed call, the inner one is not run
+    ("<tool_call>[1, 2]</tool_call>", [(None, "malformed")]),  # JSON but not an object
+    ('<tool_call>{"name": 7, "arguments": {}}</tool_call>', [(None, "malformed")]),  # name not a string
+    ('<tool_call>{"name": "sub", "arguments": {"a": 1, "b": 2}}</tool_call>', [(None, "unknown_tool")]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "c": 2}}</tool_call>', [(None, "bad_arguments")]),  # wrong name
+    ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>', [(None, "bad_arguments")]),  # missing
+    ('<tool_call>{"name": "add"}</tool_call>', [(None, "bad_arguments")]),  # no arguments at all -> {} -> missing
+    ('<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>', [(None, "raised")]),
+    ('<tool_call>{"name": "listing", "arguments": {"n": 2}}</tool_call>', [("[0, 1]", None)]),  # str(result)
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+     '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', [("2", None), (None, "unknown_tool")]),  # two, in order
+    ("no call here, <tool_call without its bracket", []),  # no call: the episode's answer
+]
+
+PLAIN = [
+    ("<call>add(a=1, b=2)</call>", [("3", None)]),
+    ("The sum: <call>add(20, 22)</call>", [("42", None)]),  # positional arguments, bound by the signature
+    ("<call>add(a=1, b=2</call>", [(None, "malformed")]),  # syntax error
+    ("<call>1 + 2</call>", [(None, "malformed")]),  # not a call
+    ("<call>os.system('x')</call>", [(None, "malformed")]),  # not a bare name
+    ('<call>add(a=__import__("os"), b=1)</call>', [(None, "malformed")]),  # not a literal: never evaluated
+    ("<call>add(**{'a': 1, 'b': 2})</call>", [(None, "malformed")]),  # ** is not allowed
+    ("<call>add(1, 2, 3)</call>", [(None, "bad_arguments")]),  # too many
+    ("<call>mul(a=1)</call>", [(None, "unknown_tool")]),
+    ("<call>boom(1)</call>", [(None, "raised")]),
+    ("<call><call>add(1, 2)</call>", [(None, "malformed")]),  # nested
+    ("<call>add(1, 2)", [(None, "malformed")]),  # never closed
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "expected"), [("hermes", *r) for r in HERMES] + [("plain", *r) for r in PLAIN])
+def test_parse_and_call(fmt, text, expected):
+    results = run(fmt, text)
+    assert [r.error for r in results] == [kind for _, kind in expected]
+    for r, (content, kind) in zip(results, expected, strict=True):
+        if content is not None:
+            assert r.content == content
+        if kind is not None:  # the model is told, as JSON, and nothing raised
+            assert kind in ERROR_KINDS
+            assert "error" in json.loads(r.content)
+
+
+def test_error_answers_say_what_went_wrong():
+    (unknown,) = run("hermes", '<tool_call>{"name": "sub", "arguments": {}}</tool_call>')
+    assert "sub" in unknown.content and "add" in unknown.content  # names the tool and what exists
+    (raised,) = run("plain", "<call>boom(1)</call>")
+    assert "ZeroDivisionError" in raised.content
+
+
+def test_a_tool_past_its_time_limit_is_answered_without_waiting_for_it():
+    t0 = time.perf_counter()
+    (r,) = run("plain", "<call>slow(3.0)</call>")
+    assert r.error == "timeout" and "timed out" in r.content
+    assert time.perf_counter() - t0 < 2.0  # the limit is 0.3 s; the call takes 3 s
+    assert "slow finished" not in SIDE_EFFECTS
+
+
+def test_calls_past_the_per_turn_limit_are_not_run():
+    calls = [ToolCall("add", kwargs={"a": i, "b": 0}) for i in range(5)]
+    out = BOX.call_all(calls)
+    assert [r.content for r in out[:3]] == ["0", "1", "2"]
+    assert [r.error for r in out[3:]] == ["too_many_calls"] * 2
+
+
+class Counter:
+    """A TRL environment_factory class."""
+
+    limit = 3
+
+    def reset(self, **kwargs) -> str | None:
+        self.count = 0
+        return None
+
+    def increment(self, step: int) -> int:
+        """Increment the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+    def _helper(self) -> None:
+        raise AssertionError("private methods are not tools")
+
+    @property
+    def doubled(self) -> int:
+        raise AssertionError("properties are not evaluated")
+
+
+def test_environment_tools_are_its_public_methods():
+    env = Counter()
+    env.reset()
+    tools = environment_tools(env)
+    assert [t.__name__ for t in tools] == ["increment"]
+    schema = tool_schema(tools[0])
+    assert schema["function"]["name"] == "increment"
+    assert list(schema["function"]["parameters"]["properties"]) == ["step"]  # no self
+    (r,) = [ToolBox(tools).call(c) for c in HermesParser().parse(
+        '<tool_call>{"name": "increment", "arguments": {"step": 2}}</tool_call>')]
+    assert r.content == "2" and env.count == 2
+
+
+def test_bad_tools_and_environments_fail_at_set_up():
+    def nodoc(x: int) -> int:
+        return x
+
+    with pytest.raises(ValueError, match="Args"):
+        tool_schema(nodoc)
+    with pytest.raises(ValueError, match="reset"):
+        environment_tools(object())
+    with pytest.raises(ValueError, match="duplicate"):
+        ToolBox([add, add])
+    with pytest.raises(ValueError, match="unknown tool-call format"):
+        parser("xml")
+
+
+def test_parsers_find_nothing_in_plain_answers():
+    assert HermesParser().parse("#### 42") == [] == PlainParser().parse("#### 42")
+
+
+async def fetch(url: str) -> str:
+    """An async tool (TRL takes them).
+
+    Args:
+        url: Where from.
+    """
+    return f"got {url}"
+
+
+def test_async_tools_are_awaited():
+    (r,) = [ToolBox([fetch]).call(c) for c in PlainParser().parse("<call>fetch('x')</call>")]
+    assert (r.content, r.error) == ("got x", None)
