@@ -1,7 +1,8 @@
 """Run untrusted Python in contained child processes: a whole program (:func:`run_python`), or a
 candidate function and the tests that judge it, each in its own sandbox (:func:`run_tests`).
 
-One run is ``python -I -S -c <launcher>`` started with :class:`subprocess.Popen` in a new session
+One run is ``python -I -S -c <launcher>`` (the text of :mod:`grpo_kit.sandbox_launcher`, which
+executes :mod:`grpo_kit.sandbox_codec`'s) started with :class:`subprocess.Popen` in a new session
 and a scrubbed environment; it reads its jobs (one sandbox each) on stdin, one at a time, forking a
 keeper for each before it reads the next (so the candidate's processes never hold the tests' code
 or nonce), and each job gets an empty temporary working directory (removed after). No
@@ -53,6 +54,7 @@ anything); it is not a boundary against a determined attacker with a kernel expl
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 import math
 import os
@@ -65,6 +67,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from .sandbox_codec import decode_plain, encode_plain
 
 __all__ = ["SandboxLimits", "SandboxResult", "decode_plain", "encode_plain", "probe", "readable", "run_python",
            "run_tests"]
@@ -123,371 +127,15 @@ class SandboxResult:
     """Seconds until the program started (Python's start, namespaces, limits); None if it never did."""
 
 
-# The wire format between a candidate's process and its tests' process, as source: it runs inside
-# both sandboxes (prepended to the launcher) and, exec'd below, in this process for the tests.
-# Every value is JSON: None, bool, str and ints below 2**53 as themselves, the rest as [tag, payload].
-_CODEC = r'''
-import json as _json
-
-MAX_DEPTH = 100
-_TAGS = {list: "l", tuple: "t", set: "s", frozenset: "z"}
-_BUILD = {"l": list, "t": tuple, "s": set, "z": frozenset}
+def _source(name: str) -> str:
+    """The text of one of this package's files (also from an installed wheel)."""
+    return importlib.resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
 
 
-def encode_plain(x, depth=0):
-    """``x`` as JSON-able data, exactly (tuple or list, inf, nan, -0.0, big ints); TypeError for
-    anything not plain (a subclass of int is not an int here), ValueError when nested too deeply."""
-    t = type(x)
-    if x is None or t is bool or t is str:
-        return x
-    if t is int:
-        return x if -(1 << 53) < x < (1 << 53) else ["i", hex(x)]
-    if t is float:
-        return ["f", x.hex()]
-    if t is complex:
-        return ["c", [x.real.hex(), x.imag.hex()]]
-    if t is bytes:
-        return ["b", x.hex()]
-    if t not in _TAGS and t is not dict:
-        raise TypeError("a %s is not plain data" % (t.__name__,))
-    if depth >= MAX_DEPTH:
-        raise ValueError("nested deeper than %d" % MAX_DEPTH)
-    if t is dict:
-        return ["d", [[encode_plain(k, depth + 1), encode_plain(v, depth + 1)] for k, v in x.items()]]
-    return [_TAGS[t], [encode_plain(v, depth + 1) for v in x]]
-
-
-def decode_plain(v, depth=0):
-    """The value :func:`encode_plain` encoded; builds only plain types and raises ValueError or
-    TypeError (an unhashable key) for anything else."""
-    t = type(v)
-    if v is None or t is bool or t is str:
-        return v
-    if t is int:
-        if -(1 << 53) < v < (1 << 53):
-            return v
-        raise ValueError("a bare int out of range")
-    if t is not list or len(v) != 2 or type(v[0]) is not str:
-        raise ValueError("not an encoded value")
-    tag, p = v
-    if tag == "i" and type(p) is str:
-        return int(p, 16)
-    if tag == "f" and type(p) is str and len(p) <= 32:
-        return float.fromhex(p)
-    if tag == "c" and type(p) is list and len(p) == 2 and type(p[0]) is str and type(p[1]) is str:
-        return complex(decode_plain(["f", p[0]]), decode_plain(["f", p[1]]))
-    if tag == "b" and type(p) is str:
-        return bytes.fromhex(p)
-    if type(p) is not list or depth >= MAX_DEPTH:
-        raise ValueError("not an encoded value")
-    if tag == "d":
-        out = {}
-        for kv in p:
-            if type(kv) is not list or len(kv) != 2:
-                raise ValueError("not an encoded dict item")
-            out[decode_plain(kv[0], depth + 1)] = decode_plain(kv[1], depth + 1)
-        return out
-    if tag not in _BUILD:
-        raise ValueError("unknown tag %r" % (tag[:20],))
-    return _BUILD[tag](decode_plain(x, depth + 1) for x in p)
-
-
-def _no_json(text):
-    raise ValueError("JSON floats and objects are not part of the format")
-
-
-def send_message(fd, msg):
-    """One message: a 4-byte length, then its JSON."""
-    body = _json.dumps(msg).encode()
-    data = len(body).to_bytes(4, "big") + body
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def recv_message(fd, limit):
-    """The next message, or None at end of file; ValueError when it is over ``limit`` bytes or not
-    strict JSON of lists, strings, ints, booleans and null."""
-    head = _read_exact(fd, 4)
-    if head is None:
-        return None
-    n = int.from_bytes(head, "big")
-    if n > limit:
-        raise ValueError("a message of %d bytes (over %d)" % (n, limit))
-    body = _read_exact(fd, n)
-    if body is None:
-        return None
-    return _json.loads(body.decode("ascii"), parse_float=_no_json, parse_constant=_no_json,
-                       object_pairs_hook=_no_json)
-
-
-def _read_exact(fd, n):
-    parts, got = [], 0
-    while got < n:
-        chunk = os.read(fd, min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-'''
-
-# Runs as `python -I -S -c LAUNCHER` (isolated mode: no PYTHON* variables, no site-packages, no cwd on
-# sys.path). Reads {"code", "limits", "nonce", "uid", "role", ...} on stdin; writes JSON lines on fd
-# STATUS_FD. role None: run the program; "candidate": run it, then serve calls of its entry point on
-# the channel; "tests": run it with `candidate` a proxy of the candidate's function over the channel.
-_LAUNCHER = r'''
-import builtins, ctypes, json, os, resource, signal, sys
-''' + _CODEC + r'''
-fds = json.loads(sys.argv[1])  # per job: [status_fd, out_fd, *channel], in the order the jobs come on stdin
-def take(n):
-    data = b""
-    while len(data) < n:  # os.read, not a buffered stdin: nothing read ahead of the job
-        chunk = os.read(0, n - len(data))
-        if not chunk:
-            raise EOFError("the job ended early")
-        data += chunk
-    return data
-# One job at a time, each forked off before the next is read, so that no job's processes ever hold a
-# later job's code or nonce: the candidate's comes first and never sees the tests or their nonce.
-for i in range(len(fds)):
-    cfg = json.loads(take(int.from_bytes(take(8), "big")))
-    if i == len(fds) - 1 or os.fork() == 0:
-        break
-    del cfg
-for fd in {f for job in fds for f in job} - set(fds[i]):
-    os.close(fd)
-status_fd, out_fd = fds[i][:2]
-os.dup2(os.open(os.devnull, os.O_RDONLY), 0); os.dup2(out_fd, 1); os.dup2(out_fd, 2); os.close(out_fd)
-os.chdir(cfg["workdir"])
-libc = ctypes.CDLL(None, use_errno=True)
-def say(**kw): os.write(status_fd, (json.dumps(kw) + "\n").encode())
-layers = []
-NEWNS, NEWUSER, NEWPID, NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
-root = os.geteuid() == 0
-for flags in (([NEWPID | NEWNET | NEWNS] if root else []) + [NEWUSER | NEWPID | NEWNET | NEWNS]) * cfg["namespaces"]:
-    if libc.unshare(flags) == 0:
-        layers += ["pidns", "netns", "mntns"] + (["userns"] if flags & NEWUSER else []); break
-uid = cfg["uid"] if root else None
-if uid is not None:
-    os.chown(".", uid, uid)
-r_fd, w_fd = os.pipe()
-pid = os.fork()
-if pid:
-    os.close(w_fd)
-    for fd in cfg["channel"]:  # the runner's alone: its end is the other side's EOF
-        os.close(fd)
-    say(pid=pid)
-    data, started = b"", False
-    while True:
-        chunk = os.read(r_fd, 65536)
-        if not chunk: break
-        data += chunk[: 8192 - len(data)]
-        if not started and b"\n" in data:  # the runner is set up: the program's time starts now
-            started = True
-            line, data = data.split(b"\n", 1)
-            layers = json.loads(line)["layers"]  # written before the program ran: trusted
-            say(started=True, layers=layers)
-    _, st = os.waitpid(pid, 0)
-    say(report=data.decode("utf-8", "replace")[:4096], status=os.waitstatus_to_exitcode(st), layers=layers)
-    while True:  # the launcher reaps the other keepers (they end with their runners), so none is left a zombie
-        try:
-            os.wait()
-        except ChildProcessError:
-            break
-    os._exit(0)
-os.close(r_fd); os.close(status_fd)
-lim, keep = cfg["limits"], set(cfg["channel"]) | {w_fd}
-try:
-    if "mntns" in layers:
-        # This process is the PID namespace's first: a procfs mounted here shows only its processes.
-        # Private first, so that the mount does not propagate back to the host's namespace.
-        if libc.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0 and \
-                libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0:  # MS_REC|MS_PRIVATE; NOSUID|NODEV|NOEXEC
-            layers.append("proc")
-    hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    if uid is not None:
-        # Keep only CAP_DAC_READ_SEARCH across the change, so the new uid can still read Python's own
-        # files where they sit under a private home (pyenv in /root); it grants no writes.
-        libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS
-        os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
-        caps = (ctypes.c_uint32 * 6)(1 << 2, 1 << 2, 0, 0, 0, 0)  # effective, permitted, inheritable (x2)
-        if libc.capset(hdr, caps) != 0:
-            raise OSError(ctypes.get_errno(), "capset")
-        layers.append("uid")
-    elif "userns" in layers:  # every capability of the new user namespace (to unmount the fresh /proc, say)
-        if libc.capset(hdr, (ctypes.c_uint32 * 6)()) != 0:
-            raise OSError(ctypes.get_errno(), "capset")
-        layers.append("caps")
-    if libc.prctl(4, 0, 0, 0, 0) == 0:  # PR_SET_DUMPABLE 0: no ptrace or /proc/<pid>/mem by the same uid
-        layers.append("nodump")
-    L = ctypes.c_long
-    def ll(*args): return libc.syscall(*[a if not isinstance(a, int) else L(a) for a in args])
-    libc.syscall.restype = L
-    abi = ll(444, None, 0, 1)
-    if cfg["landlock"] and abi >= 1 and libc.prctl(38, 1, 0, 0, 0) == 0:  # PR_SET_NO_NEW_PRIVS
-        fs = 0x1FFF  # EXECUTE, WRITE_FILE, READ_FILE, READ_DIR, REMOVE_DIR..MAKE_SYM
-        fs |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # REFER, TRUNCATE
-        net = 3 if abi >= 4 else 0  # BIND_TCP, CONNECT_TCP
-        scoped = 3 if abi >= 6 else 0  # abstract unix sockets, signals
-        attr = (ctypes.c_uint64 * 3)(fs, net, scoped)
-        size = 24 if abi >= 6 else 16 if abi >= 4 else 8
-        rs = ll(444, ctypes.byref(attr), size, 0)
-        class Beneath(ctypes.Structure):
-            _pack_ = 1
-            _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
-        ok = rs >= 0
-        # Reads: Python's own files and the system's libraries, /dev, and /proc only when it is the fresh
-        # one; not /root, /home or the project (a root run keeps CAP_DAC_READ_SEARCH, so this is what
-        # stops it reading any file).
-        read = 0xD  # EXECUTE, READ_FILE, READ_DIR
-        rules = [(".", fs), (os.devnull, 0x7 | (1 << 14 if abi >= 3 else 0)), ("/etc/localtime", 0x5)]
-        rules += [(d, read) for d in {sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                       "/usr", "/lib", "/lib64", "/bin", "/dev"}]
-        rules += [("/proc", read)] if "proc" in layers else []
-        for path, rights in rules:
-            try:
-                fd = os.open(path, os.O_PATH)
-            except OSError:
-                continue
-            ok = ok and ll(445, rs, 1, ctypes.byref(Beneath(rights, fd)), 0) == 0
-            os.close(fd)
-        if ok and ll(446, rs, 0) == 0:
-            layers += ["landlock-fs", "landlock-read"] + (["landlock-net"] if net else []) + (["landlock-signal"] if scoped else [])
-    for name, value in (("CPU", lim["cpu_s"]), ("AS", lim["memory_bytes"]), ("NPROC", lim["max_processes"]),
-                        ("FSIZE", lim["max_file_bytes"]), ("NOFILE", lim["max_open_files"]), ("CORE", 0)):
-        # CPU: SIGXCPU at the soft limit (caught below: the first process of a PID namespace ignores
-        # signals it has no handler for), SIGKILL a second later.
-        resource.setrlimit(getattr(resource, "RLIMIT_" + name), (value, value + (name == "CPU")))
-    layers.append("rlimits")
-    lo = 3
-    for fd in sorted(keep):  # every descriptor but the channel and w_fd
-        os.closerange(lo, fd); lo = fd + 1
-    os.closerange(lo, 1 << 16)
-    def on_xcpu(signum, frame):
-        os.write(w_fd, b"CPU time limit exceeded"); os._exit(1)
-    signal.signal(signal.SIGXCPU, on_xcpu)
-    os.write(w_fd, (json.dumps({"layers": layers}) + "\n").encode())
-except Exception as e:
-    os.write(w_fd, ("setup failed: %r" % (e,)).encode()); os._exit(70)
-code, nonce, role, entry, chan = cfg["code"], cfg["nonce"], cfg["role"], cfg["entry_point"], cfg["channel"]
-max_message = cfg["max_message_bytes"]
-del cfg, lim
-os.environ.clear(); os.environ.update({"PATH": "/usr/bin:/bin", "HOME": os.getcwd(), "LANG": "C.UTF-8"})
-
-def describe(e, source):
-    tb, line = e.__traceback__, None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == "<program>":
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    report = type(e).__name__ + (": %s" % (e,) if str(e) else "")
-    if line is not None and 0 < line <= len(source.splitlines()):
-        report += " (line %d: %s)" % (line, source.splitlines()[line - 1].strip()[:200])
-    return report[:500]
-
-def finish(report):
-    try:
-        sys.stdout.flush(); sys.stderr.flush()
-    finally:
-        os.write(w_fd, report.encode("utf-8", "replace")[:4096]); os._exit(0)
-
-def serve(error, g):
-    """The candidate's side: answer each call of its function, with the value or the exception."""
-    rfd, wfd = chan
-    fn = g.get(entry) if error is None else None
-    if error is None and not callable(fn):
-        error = "NameError: the code defines no function %r" % (entry,)
-    send_message(wfd, ["raise", 0, "", error] if error else ["ok", 0, None])
-    while error is None:
-        msg = recv_message(rfd, max_message)  # from the tests' process: trusted
-        if msg is None:
-            break
-        _, i, args, kwargs = msg
-        try:
-            try:
-                out = ["ok", i, encode_plain(fn(*decode_plain(args), **decode_plain(kwargs)))]
-            except BaseException as e:
-                out = ["raise", i, str(type(e).__name__)[:100], str(e)[:1000]]
-        except BaseException:
-            out = ["raise", i, "Exception", "(an exception that cannot be shown)"]
-        try:
-            sys.stdout.flush()
-        except BaseException:
-            pass
-        send_message(wfd, out)
-    finish("")
-
-class CandidateError(Exception):
-    """The candidate raised something that is not a builtin Exception type (SystemExit, its own class)."""
-
-def proxy():
-    """The tests' side: ``candidate(*args, **kwargs)`` sends plain data, accepts only plain data back.
-    The candidate's process is hostile: whatever it sends that is not a well-formed answer to this
-    very call ends the tests at once, failed (os._exit: no ``except`` in a test can catch it)."""
-    rfd, wfd = chan
-    calls = [0]
-    def answer(i):
-        try:
-            msg = recv_message(rfd, max_message)
-            if msg is None:
-                finish("the candidate's process ended before answering call %d" % i)
-            if type(msg) is list and len(msg) == 3 and msg[:2] == ["ok", i]:
-                return True, decode_plain(msg[2])
-            if type(msg) is list and len(msg) == 4 and msg[:2] == ["raise", i] and \
-                    type(msg[2]) is str and type(msg[3]) is str:
-                return False, (msg[2][:100], msg[3][:1000])
-            raise ValueError("not an answer to call %d" % i)
-        except (ValueError, TypeError, RecursionError, OverflowError, MemoryError) as e:
-            finish("the candidate's process sent malformed data: %s" % (str(e)[:200],))
-    ok, info = answer(0)
-    if not ok:
-        finish("the candidate's code failed: %s" % (info[1],))
-    if info is not None:
-        finish("the candidate's process sent malformed data: not a greeting")
-    def candidate(*args, **kwargs):
-        calls[0] += 1
-        try:
-            req = ["call", calls[0], encode_plain(list(args)), encode_plain(dict(kwargs))]
-        except (TypeError, ValueError) as e:
-            raise TypeError("only plain data reaches the candidate: %s" % (e,)) from None
-        try:
-            send_message(wfd, req)
-        except OSError:
-            finish("the candidate's process ended before answering call %d" % calls[0])
-        ok, value = answer(calls[0])
-        if ok:
-            return value
-        name, text = value
-        cls = getattr(builtins, name, None) if name.isidentifier() else None
-        exc = None
-        if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, StopIteration):
-            try:
-                exc = cls(text) if text else cls()
-            except Exception:
-                pass
-        raise (exc or CandidateError("%s: %s" % (name, text) if text else name)) from None
-    return candidate
-
-g = {"__name__": "__main__", "__builtins__": __builtins__}
-if role == "tests":
-    g["candidate"] = proxy()
-try:
-    exec(compile(code, "<program>", "exec"), g)
-except SystemExit as e:
-    report = "exit(%r) before the end of the program" % (e.code,)
-except BaseException as e:
-    report = describe(e, code)
-else:
-    report = nonce
-if role == "candidate":
-    serve(report, g)
-finish(report)
-'''
-
-_codec: dict = {"os": os}
-exec(compile(_CODEC, "<sandbox codec>", "exec"), _codec)
-encode_plain = _codec["encode_plain"]
-decode_plain = _codec["decode_plain"]
+# The two programs the children run, as text: the launcher (sandbox_launcher.py, run with -I -S, so it
+# cannot import this package) and the codec it executes (sandbox_codec.py, imported here as well).
+_LAUNCHER = _source("sandbox_launcher.py")
+_CODEC = _source("sandbox_codec.py")
 
 _SIGNALS = {s.value: s.name for s in signal.Signals}
 
@@ -591,7 +239,7 @@ class _Launch:
             self.boxes = [_Box(cfg) for cfg in cfgs]
             fds = [[b.status_w, b.out_w, *b.cfg["channel"]] for b in self.boxes]
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(fds)], cwd=self.boxes[-1].workdir,
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(fds), _CODEC], cwd=self.boxes[-1].workdir,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.boxes[-1].workdir},
                 stdin=subprocess.PIPE, stdout=self.boxes[-1].out_w, stderr=subprocess.STDOUT,
                 pass_fds=tuple(f for job in fds for f in job), start_new_session=True)

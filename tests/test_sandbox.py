@@ -9,6 +9,7 @@ real Dask worker's thread."""
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import json
 import math
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+import grpo_kit
 from grpo_kit import testing
 from grpo_kit.sandbox import SandboxLimits, decode_plain, encode_plain, probe, run_python, run_tests
 from grpo_kit.tasks.code import code_reward, load_humaneval, program
@@ -371,6 +373,28 @@ def test_nesting_past_the_bound_is_refused_both_ways():
     with pytest.raises(ValueError):
         decode_plain(wire)
 
+
+
+@pytest.mark.parametrize("name", ["sandbox_codec.py", "sandbox_launcher.py"])
+def test_the_childrens_programs_import_only_the_standard_library(name):
+    # They run under `python -I -S` (no site-packages, no grpo_kit): any other import breaks every run.
+    tree = ast.parse((Path(grpo_kit.__file__).parent / name).read_text())
+    imports = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert imports
+    for node in imports:
+        assert not (isinstance(node, ast.ImportFrom) and node.level), f"{name}: a relative import"
+        mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+        assert all(m.split(".")[0] in sys.stdlib_module_names for m in mods), f"{name} imports {mods}"
+
+
+def test_importing_the_launcher_runs_nothing():
+    # pytest --doctest-modules grpo_kit imports it: only its functions may come of that, no fork, no read.
+    out = subprocess.run([sys.executable, "-c", "import grpo_kit.sandbox_launcher as m; print(sorted(vars(m)))"],
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    names = set(ast.literal_eval(out.stdout))
+    assert {"proxy", "serve", "finish"} <= names and not names & {"fds", "cfg", "encode_plain", "layers"}
 
 def test_a_hostile_completion_scores_zero_and_the_next_one_scores(listener):
     """Through the reward: HumanEval/0 answered with a body that kills its parent, then a fork bomb,
