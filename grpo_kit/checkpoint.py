@@ -2,7 +2,8 @@
 
 After every iteration the trainer's rank 0 publishes adapter ``v+1`` and its optimizer state to the
 store, then the driver writes the run state (``state/run.json`` in the store: next iteration,
-version, base accuracy, evaluations, wall time; :func:`save_state`). :func:`restore` is where a run
+version, base accuracy, evaluations, wall time, and what the batches in flight and dynamic
+sampling's carry-over were: :func:`resume_fields`; :func:`save_state`). :func:`restore` is where a run
 starts: afresh (the run directory's record files removed), or with ``resume=True`` at the next
 unfinished iteration. An iteration whose adapter was published but whose run state was not (the
 driver died in between) is recognised from the adapter's manifest and not repeated
@@ -68,7 +69,19 @@ def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
 
 
 def fresh_state(run_id: str) -> dict:
-    return {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0, "evals": []}
+    return {"run_id": run_id, "next_iteration": 0, "version": 0, "base_acc": None, "grpo_wall_s": 0.0, "evals": [],
+            **resume_fields([0, 0], [], {})}
+
+
+def resume_fields(groups_seen: list[int], carry: list[dict], pending: dict[int, tuple[int, int | None]]) -> dict:
+    """The run state's part that makes a resumed run draw and train what the uninterrupted run would:
+    dynamic sampling's running counts (``groups_seen``: usable and all groups generated so far, which
+    size the over-sampling), its carried groups (``carry``: each group's chunk as the
+    driver's ``chunk_specs`` describes it, with its group id and adapter version; a resumed run
+    regenerates those chunks), and the batches in flight (``pending``: iteration -> (version, prompt
+    count) they were submitted with)."""
+    return {"groups_seen": list(groups_seen), "carry": list(carry),
+            "pending": {str(j): {"version": v, "n": n} for j, (v, n) in sorted(pending.items())}}
 
 
 def load_state(store: AdapterStore, run_id: str) -> dict | None:
@@ -90,7 +103,9 @@ def reconcile(state: dict, store: AdapterStore) -> dict:
     while latest > state["version"]:
         v = state["version"] + 1
         meta = store.manifest(v).get("meta", {})
-        state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1)}
+        # the folded-in step consumed the carry the state names, and its own carry was never written
+        state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1),
+                 "carry": []}
     return state
 
 

@@ -4,8 +4,9 @@ With ``pipelined=True`` generation of batch N+1 is submitted (with the newest pu
 *before* the driver waits for training on batch N, so the two overlap on disjoint workers; up to
 ``RunConfig.depth`` batches are in flight. With ``staleness_policy="pace"`` (default) the depth is
 at most ``max_staleness``, so no batch is ever too stale; with ``"discard"`` generation may run
-further ahead, and a batch more than ``max_staleness`` versions behind when its turn comes is
-dropped, counted in ``rejected_groups`` and generated again from the current adapter.
+further ahead, each chunk sampling from the newest adapter published when it starts on a worker,
+and a batch more than ``max_staleness`` versions behind when its turn comes is dropped, counted in
+``rejected_groups`` and generated again from the current adapter.
 ``pipelined=False`` runs the same work in order.
 
 Each iteration is four steps (``_Driver.loop``): *assemble* the batch (regenerating a too-stale one,
@@ -64,10 +65,14 @@ def iteration_problems(cfg: Config, pool: list, iteration: int, round_: int = 0,
 @dataclass
 class _Pending:
     version: int
+    """The version the batch was submitted with (``staleness_policy="discard"``: the oldest its
+    chunks may sample from; each takes the newest published when it starts)."""
     futures: list
     """Futures of the chunks' summaries (:func:`remote.summary_task`): what the driver gathers."""
     scored: list = field(default_factory=list)
     """Futures of the scored chunks (token ids and log-probs): they stay on the workers."""
+    n: int | None = None
+    """Prompts drawn (None: ``prompts_per_step``); dynamic sampling over-samples."""
 
 
 @dataclass
@@ -148,7 +153,7 @@ def run(
                          list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
         if resume:  # versions a crash (or a run with another policy) left behind
-            driver.pruner.sweep(state["version"])
+            driver.pruner.sweep(state["version"], driver.busy_versions())
         # engines and policies are built before the first iteration's clock starts
         driver.warm_up_s = remote.warm_up(client, gang, state["version"], driver.key)
         driver.startup_s = time.time() - t_warm
@@ -181,8 +186,13 @@ class _Driver:
         self.scorer = scorer
         # scoring runs on workers with the reward resource where there are any, else anywhere
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
-        self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch (not resumed)
-        self.groups_seen = [0, 0]  # dynamic sampling: usable and all groups generated so far
+        self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch
+        self.carry_for = state["next_iteration"]  # the iteration the carry goes into
+        self.carry_specs: list[dict] = []  # where each carried group's chunk came from (the run state keeps them)
+        # dynamic sampling: usable and all groups generated so far (checkpointed: the over-sampling reads it)
+        self.groups_seen = list(state.get("groups_seen") or [0, 0])
+        # batches in flight when the run state was written: a resumed run submits them as they were
+        self.resumed_pending: dict = dict(state.get("pending") or {})
 
     # ------------------------------------------------------------------ submission
     def problems_for(self, iteration: int, round_: int = 0, n: int | None = None):
@@ -191,20 +201,31 @@ class _Driver:
     def rollout_version(self, iteration: int) -> int:
         """The adapter version that generates ``iteration``'s batch. Pacing: the trainer's version
         ``depth`` iterations earlier, when generation is submitted in an uninterrupted run (a resumed
-        run so samples its pending batches from the versions the uninterrupted run would have used).
-        Discarding: the newest version."""
+        run submits its pending batches with the versions the run state saved for them, this as a
+        fallback). Discarding: the newest version now, the oldest the batch may use: each chunk
+        samples from the newest version published when it starts on a rollout worker (``newest``)."""
         if self.cfg.run.staleness_policy == "discard":
             return self.state["version"]
         return min(self.state["version"], max(0, iteration - self.depth))
 
+    @property
+    def newest(self) -> bool:
+        """Whether rollout chunks take the newest published version when they start (discarding)."""
+        return self.cfg.run.staleness_policy == "discard"
+
     def submit_generation(self, iteration: int, version: int | None = None) -> None:
         if iteration in self.pending or iteration >= self.cfg.run.iterations:
             return
-        version = self.rollout_version(iteration) if version is None else version
+        saved = self.resumed_pending.pop(str(iteration), None) if version is None else None
+        version = saved["version"] if saved else self.rollout_version(iteration) if version is None else version
         s, n = self.cfg.sampling, None
-        if s.dynamic_sampling:  # over-sample by the usable share so far: this generation overlaps training
-            n = extra_prompts(s.prompts_per_step, self.usable_share_seen(), s.prompts_per_step * s.max_gen_batches)
-        self.pending[iteration] = _Pending(version, *self.submit_round(iteration, 0, version, n))
+        if saved:
+            n = saved["n"]
+        elif s.dynamic_sampling:  # over-sample by the usable share so far: this generation overlaps training
+            # the usable groups still needed beyond those carried into this batch (at least one prompt)
+            need = max(1, s.prompts_per_step - (len(self.carry) if iteration == self.carry_for else 0))
+            n = extra_prompts(need, self.usable_share_seen(), s.prompts_per_step * s.max_gen_batches)
+        self.pending[iteration] = _Pending(version, *self.submit_round(iteration, 0, version, n), n=n)
 
     def usable_share_seen(self, fresh: list[Group] = ()) -> float | None:
         """Share of the groups generated so far (and ``fresh``) that had reward spread; None before any."""
@@ -228,7 +249,7 @@ class _Driver:
             tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "")
             gen = self.client.submit(
                 remote.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, iteration), offset + c, iteration,
+                _seed(self.cfg.run.seed, iteration), offset + c, iteration, newest=self.newest,
                 key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
             )
             scored.append(self.client.submit(remote.reward_task, gen, chunk, offset + c, self.scorer,
@@ -238,7 +259,8 @@ class _Driver:
                                               retries=2, priority=priority))
         return futures, scored
 
-    def fill_usable(self, it: int, results: list[dict], scored: list) -> tuple[list[dict], list[Group], dict]:
+    def fill_usable(self, it: int, results: list[dict], scored: list, n0: int | None = None
+                    ) -> tuple[list[dict], list[Group], dict]:
         """Dynamic sampling: this batch's usable groups plus the carried ones, topped up by extra
         generation rounds (at the current version, ahead of queued work), up to ``max_gen_batches *
         prompts_per_step`` prompts in all.
@@ -246,6 +268,9 @@ class _Driver:
         s, version = self.cfg.sampling, self.state["version"]
         fresh = groups_of(results, scored, s.group_size)
         carried = len(self.carry)
+        # where each group's chunk came from: a resumed run regenerates the carried ones from it
+        specs = {g.payload[0][1].key: spec for g, spec in zip(self.carry, self.carry_specs, strict=True)}
+        specs.update(self.chunk_specs(it, 0, n0, results, scored))
         sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
         rounds, bound = 1, s.prompts_per_step * s.max_gen_batches
         while len(sel.train) < s.prompts_per_step and len(fresh) < bound:
@@ -254,14 +279,68 @@ class _Driver:
             more = self.client.gather(more_f)
             results = results + more
             fresh += groups_of(more, more_scored, s.group_size)
+            specs.update(self.chunk_specs(it, rounds, n, more, more_scored))
             rounds += 1
             sel = select_groups(self.carry, fresh, s.prompts_per_step, version, self.cfg.run.max_staleness)
         self.groups_seen[0] += sum(g.has_spread for g in fresh)
         self.groups_seen[1] += len(fresh)
-        self.carry = sel.carry
+        self.carry, self.carry_for = sel.carry, it + 1
+        self.carry_specs = [{**specs[g.payload[0][1].key], "group_id": g.payload[0][0].group_id, "version": g.version}
+                            for g in sel.carry]
         counts = {"gen_batches": rounds, "dropped_groups": sel.dropped, "carried_in_groups": carried,
                   "carried_out_groups": len(sel.carry), "expired_groups": sel.expired}
         return results, sel.train, counts
+
+    def chunk_specs(self, iteration: int, round_: int, n: int | None, results: list[dict], scored: list) -> dict:
+        """What regenerates each of a round's scored chunks (keyed by its future's key): the round's
+        prompt draw (iteration, round, count) and the chunk's slice of it. Each chunk holds the
+        consecutive groups ``offset + start .. offset + stop - 1`` (:meth:`submit_round`)."""
+        s = self.cfg.sampling
+        offset = round_ * s.prompts_per_step * s.max_gen_batches
+        out = {}
+        for res, fut in zip(results, scored, strict=True):
+            ids = [r["group_id"] for r in res["rollouts"]]
+            out[fut.key] = {"iteration": iteration, "round": round_, "n": n or s.prompts_per_step,
+                            "start": min(ids) - offset, "stop": max(ids) + 1 - offset}
+        return out
+
+    def restore_carry(self) -> None:
+        """Resume: the carried groups of the run state, regenerated chunk by chunk as they were first
+        generated (same prompts, seed, group ids and adapter version, so the same completions and
+        rewards) on the rollout workers, where the trainer ranks fetch them from."""
+        entries, s = list(self.state.get("carry") or []), self.cfg.sampling
+        chunks: dict[tuple, tuple] = {}
+        for e in entries:
+            k = (e["iteration"], e["round"], e["start"], e["version"])
+            if k in chunks:
+                continue
+            offset = e["round"] * s.prompts_per_step * s.max_gen_batches
+            probs = self.problems_for(e["iteration"], e["round"], e["n"])[e["start"] : e["stop"]]
+            chunk = [remote.problem_dict(p) for p in probs]
+            tag = f"carry-{e['iteration']}-r{e['round']}-{e['start']}-v{e['version']}"
+            gen = self.client.submit(
+                remote.rollout_task, chunk, s.group_size, e["version"], s.max_new_tokens, s.temperature,
+                _seed(self.cfg.run.seed, e["iteration"]), offset + e["start"], e["iteration"],
+                key=f"{self.key}-rollout-{tag}", resources={cl.ROLLOUT: 1}, retries=2,
+            )
+            scored = self.client.submit(remote.reward_task, gen, chunk, offset + e["start"], self.scorer,
+                                        key=f"{self.key}-reward-{tag}", resources=self.reward_resources, retries=2)
+            chunks[k] = (self.client.submit(remote.summary_task, scored, key=f"{self.key}-summary-{tag}", retries=2),
+                         scored)
+        summaries = dict(zip(chunks, self.client.gather([f for f, _ in chunks.values()]), strict=True))
+        by = {(k, g.payload[0][0].group_id): g for k, (_, scored) in chunks.items()
+              for g in groups_of([summaries[k]], [scored], s.group_size)}
+        self.carry = [by[((e["iteration"], e["round"], e["start"], e["version"]), e["group_id"])] for e in entries]
+        self.carry_specs = entries
+
+    def busy_versions(self) -> set[int]:
+        """Adapter versions the run still needs besides the policy's: those of batches in flight,
+        pending evaluations and carried groups (a lost chunk is recomputed from its version), and
+        those the run state names for a resumed run (its pending batches and carried groups)."""
+        busy = {p.version for p in self.pending.values()} | {_eval_version(f) for _, f in self.evals}
+        busy |= {g.version for g in self.carry}
+        busy |= {p["version"] for p in (self.state.get("pending") or {}).values()}
+        return busy | {e["version"] for e in self.state.get("carry") or []}
 
     def submit_eval(self, iteration: int, version: int) -> None:
         fut = self.client.submit(remote.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
@@ -289,6 +368,8 @@ class _Driver:
         cfg = self.cfg
         start = self.state["next_iteration"]
         self.session_start, self.wall_base = time.time(), self.state["grpo_wall_s"]
+        if self.state.get("carry"):  # resumed with dynamic sampling's carry-over
+            self.restore_carry()
         self.submit_generation(start)
         if start == 0 and self.state["base_acc"] is None and cfg.run.eval_every > 0:
             self.submit_eval(-1, 0)
@@ -307,6 +388,7 @@ class _Driver:
         t_iter = time.time()
         pend = self.pending.pop(it)
         results = self.client.gather(pend.futures)
+        pend.version = sampled_version(results, pend.version)
         rejected = 0
         if self.state["version"] - pend.version > cfg.run.max_staleness:
             # too stale (staleness_policy="discard"): drop it, generate it again from the current adapter
@@ -314,13 +396,18 @@ class _Driver:
             self.submit_generation(it, version=self.state["version"])
             pend = self.pending.pop(it)
             results = self.client.gather(pend.futures)
+            pend.version = sampled_version(results, pend.version)
         t_gen_done = time.time()
-        for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
-            self.submit_generation(j)
+        ahead = range(it + 1, it + 1 + self.depth)  # pipelining: the next batches, submitted before we train
+        if not cfg.sampling.dynamic_sampling:
+            for j in ahead:
+                self.submit_generation(j)
         picked = dyn = None
         if cfg.sampling.dynamic_sampling:
-            results, picked, dyn = self.fill_usable(it, results, pend.scored)
+            results, picked, dyn = self.fill_usable(it, results, pend.scored, pend.n)
             t_gen_done = time.time()
+            for j in ahead:  # after the selection: the next batch's over-sampling counts the groups carried into it
+                self.submit_generation(j)
         # the batch to train on (``picked``: dynamic sampling's usable groups; None: all of ``results``)
         rollouts = summaries_of(results)
         if picked is None:
@@ -375,6 +462,8 @@ class _Driver:
         self.records.append(rec)
         append_jsonl(self.metrics_path, [rec])
         self.state["next_iteration"] = rec["iteration"] + 1
+        self.state.update(checkpoint.resume_fields(self.groups_seen, self.carry_specs,
+                                                   {j: (p.version, p.n) for j, p in self.pending.items()}))
         checkpoint.save_state(self.store, self.state)
         self.prune()
         for cb in self.callbacks:
@@ -397,12 +486,11 @@ class _Driver:
         return evs[-1]["acc"] if evs else None
 
     def prune(self) -> None:
-        """Retention (:mod:`grpo_kit.retention`) after a committed iteration; batches in flight and
-        pending evaluations keep the versions they were submitted with."""
+        """Retention (:mod:`grpo_kit.retention`) after a committed iteration; batches in flight,
+        pending evaluations and carried groups keep their versions (:meth:`busy_versions`)."""
         pruner = getattr(self, "pruner", None)
         if pruner is not None:
-            busy = {p.version for p in self.pending.values()} | {_eval_version(f) for _, f in self.evals}
-            pruner.after_commit(self.state["version"], busy)
+            pruner.after_commit(self.state["version"], self.busy_versions())
 
     def _write_samples(self, it: int, rollouts: list[RolloutSummary]) -> None:
         every = self.cfg.run.rollouts_every
@@ -433,6 +521,11 @@ class _Driver:
         summary = run_summary(self.state, self.records, self.gang.restarts, self.startup_s, self.warm_up_s, preflight)
         run_files(self.cfg.run.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def sampled_version(results: list[dict], default: int) -> int:
+    """The oldest adapter version the chunks' rollouts were sampled from (``default`` if none)."""
+    return min((r["version"] for res in results for r in res["rollouts"]), default=default)
 
 
 def _eval_version(fut) -> int:

@@ -128,12 +128,18 @@ def _engine():
 
 
 def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int, temperature: float, seed: int,
-                 group_offset: int, iteration: int) -> dict:
-    """Generate ``n`` completions for each problem with the worker's warm engine."""
+                 group_offset: int, iteration: int, newest: bool = False) -> dict:
+    """Generate ``n`` completions for each problem with the worker's warm engine, from adapter
+    ``version``, or with ``newest`` from the newest version in the store when the task starts (never
+    an older one than ``version``; the rollouts record which)."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
-    outs = _engine().generate(probs, n, version, max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed, group_offset=group_offset)
+    engine = _engine()
+    store = getattr(engine, "store", None)
+    if newest and store is not None:
+        version = max(version, store.latest() or 0)
+    outs = engine.generate(probs, n, version, max_new_tokens=max_new_tokens, temperature=temperature,
+                           seed=seed, group_offset=group_offset)
     for r in outs:
         r.iteration = iteration
     return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}

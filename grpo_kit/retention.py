@@ -8,7 +8,9 @@ deletes the versions the policy no longer keeps:
 - every version that is a multiple of ``keep_every`` (``RunConfig.keep_every``; 0: none of them),
 - always: the latest committed version (resume loads its adapter and the optimizer state its
   manifest names; the trainer keeps the two optimizer states it wrote last) and any version a
-  batch in flight or a pending evaluation was submitted with.
+  batch in flight, a pending evaluation or a carried group (dynamic sampling) uses: Dask recomputes
+  a lost chunk from its version (the driver's ``protect`` set; a resumed run's sweep protects those
+  its run state names).
 
 A version is deleted manifest first (:meth:`AdapterStore.delete`), so a reader never fetches half of
 one; its optimizer state, if the trainer has not already removed it, goes with it. A resumed run

@@ -9,8 +9,11 @@ zero-spread groups before training and fills the batch with usable groups from m
 (:func:`extra_prompts` sizes each extra round) and from a carry-over of surplus usable groups
 (:func:`select_groups`), within ``max_gen_batches * prompts_per_step`` prompts per iteration and
 ``max_staleness``. The pipelined batch itself is over-sampled by the usable share seen so far
-(:func:`extra_prompts` again), so that its generation, which overlaps the previous step's training,
-does most of the work and the extra rounds, which do not, are rare.
+(:func:`extra_prompts` again) for the usable groups it needs beyond those carried into it, so that
+its generation, which overlaps the previous step's training, does most of the work and the extra
+rounds, which do not, are rare. A carried group is trained at the next step, one version later
+(:func:`select_groups`); a pipelined batch that arrives ``max_staleness`` behind (pacing's full
+depth) therefore cannot pass its surplus on.
 
 What dropping changes in the objective. Per batch of ``N`` sequences with normalizer ``Z``
 (``loss_type`` grpo: ``N``; dr_grpo: ``N * max_len``; dapo: the batch's completion tokens), the loss

@@ -77,24 +77,31 @@ def assert_aligned(d: torch.Tensor, min_tokens: int = 512, max_abs: float = 1e-3
 def assert_run_exact(run_dir, cfg, store) -> None:
     """Nothing lost or repeated in a finished run: ``metrics.jsonl`` holds iterations 0..N-1 once
     each, ``rollouts.jsonl`` holds every group of every iteration exactly once (``group_size``
-    samples each), and the store holds versions 1..N, each the child of the one before."""
+    samples each; groups ``0..prompts_per_step-1``, or with dynamic sampling every group its rounds
+    generated), and the store holds versions 1..V, each the child of the one before (V = N, or with
+    dynamic sampling the last record's version: an iteration with no usable group trains nothing)."""
     from collections import Counter
 
     from .records import read_jsonl, run_files
 
-    files, n = run_files(run_dir), cfg.run.iterations
-    its = [r["iteration"] for r in read_jsonl(files.metrics, stop_at_bad_line=True)]
+    files, n, s = run_files(run_dir), cfg.run.iterations, cfg.sampling
+    recs = list(read_jsonl(files.metrics, stop_at_bad_line=True))
+    its = [r["iteration"] for r in recs]
     assert its == list(range(n)), f"metrics.jsonl iterations {its}, want 0..{n - 1} once each"
     by_iter: dict[int, Counter] = {}
     for r in read_jsonl(files.rollouts, stop_at_bad_line=True):
         by_iter.setdefault(r["iteration"], Counter())[(r["group_id"], r["sample_idx"])] += 1
     assert sorted(by_iter) == list(range(n)), f"rollouts.jsonl iterations {sorted(by_iter)}"
-    want = {(g, i): 1 for g in range(cfg.sampling.prompts_per_step) for i in range(cfg.sampling.group_size)}
     for it, counts in by_iter.items():
+        groups = sorted({g for g, _ in counts}) if s.dynamic_sampling else range(s.prompts_per_step)
+        want = {(g, i): 1 for g in groups for i in range(s.group_size)}
         assert dict(counts) == want, f"iteration {it}: groups lost or duplicated"
+        if s.dynamic_sampling:
+            assert len(groups) == recs[it]["generated_groups"], f"iteration {it}: {len(groups)} groups recorded"
+    last = recs[-1]["version"] if s.dynamic_sampling else n
     vs = store.versions()
-    assert vs == list(range(1, n + 1)), f"store versions {vs}, want 1..{n}"
-    assert [store.manifest(v)["parent"] for v in vs] == list(range(n)), "adapter versions not a chain"
+    assert vs == list(range(1, last + 1)), f"store versions {vs}, want 1..{last}"
+    assert [store.manifest(v)["parent"] for v in vs] == list(range(last)), "adapter versions not a chain"
 
 
 def hostile_programs(port: int, outside: str) -> dict[str, tuple[str, str]]:

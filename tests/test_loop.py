@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 
 from grpo_kit import cluster as cl
-from grpo_kit import config, gang, loop, records
+from grpo_kit import config, gang, loop, records, remote, tasks
 from grpo_kit.adapters import AdapterStore
 
 pytestmark = pytest.mark.timeout(600)
@@ -159,9 +159,10 @@ def test_staleness_bound_zero_keeps_nothing_in_flight(tmp_path, client):
     assert [r["rejected_groups"] for r in res.records] == [0, 0, 0]
 
 
-def test_deeper_pipeline_paces_or_discards(tmp_path, client):
+def test_deeper_pipeline_paces_or_discards(tmp_path, client, monkeypatch):
     """max_staleness=K: pacing generates K batches ahead and never more; discarding runs further
-    ahead and regenerates the batches that came back too stale."""
+    ahead, each chunk sampling from the newest adapter when it starts, and regenerates exactly the
+    batches that came back too stale."""
     assert config.profile("tiny", pipeline_depth=3, max_staleness=1).run.depth == 1  # pace caps the depth
     deep = _cfg(tmp_path, iterations=5, world_size=1, max_staleness=2, run_dir=str(tmp_path / "k2"))
     res = loop.run(deep, client=client, progress=False)
@@ -171,12 +172,33 @@ def test_deeper_pipeline_paces_or_discards(tmp_path, client):
 
     discard = _cfg(tmp_path, iterations=5, world_size=1, max_staleness=1, pipeline_depth=2, staleness_policy="discard",
                    run_dir=str(tmp_path / "discard"))
+    through_driver = _watch_driver(client, monkeypatch)
     res = loop.run(discard, client=client, progress=False)
+    monkeypatch.undo()
     assert [r["version"] for r in res.records] == [1, 2, 3, 4, 5]  # every iteration trained
     assert all(r["staleness_max"] <= 1 for r in res.records)
-    assert sum(r["rejected_groups"] for r in res.records) >= discard.sampling.prompts_per_step  # the path ran
+    # each batch as first gathered: the version it was submitted with (the newest then) and the
+    # versions its chunks sampled from (the newest when each started)
+    submitted, sampled = {}, {}
+    for name, x in through_driver:
+        if name == "submit" and x[0][0] is remote.rollout_task:
+            assert x[1]["newest"] is True
+            submitted.setdefault(x[0][8], x[0][3])  # iteration, version
+        elif name == "gather" and isinstance(x, list) and x and isinstance(x[0], dict) and "rollouts" in x[0]:
+            it = x[0]["rollouts"][0]["iteration"]
+            sampled.setdefault(it, min(r["version"] for res_ in x for r in res_["rollouts"]))
+    assert sorted(sampled) == list(range(5))
+    assert all(sampled[it] >= submitted[it] for it in sampled)
+    # a batch is discarded exactly when it was sampled more than max_staleness behind the trainer
+    p, trainer = discard.sampling.prompts_per_step, [r["version"] - 1 for r in res.records]
+    assert [r["rejected_groups"] for r in res.records] == [p if trainer[it] - sampled[it] > 1 else 0 for it in range(5)]
     assert res.summary["rejected_groups"] == sum(r["rejected_groups"] for r in res.records)
     _assert_groups_exact(tmp_path / "discard", discard)  # a discarded batch is neither trained nor lost
+    # a chunk started now samples from the newest version (5), not the one it was submitted with (0)
+    prob = remote.problem_dict(tasks.for_config(discard).load("train", 1, 0)[0])
+    late = client.submit(remote.rollout_task, [prob], 2, 0, 4, 1.0, 0, 0, 0, newest=True, resources={cl.ROLLOUT: 1},
+                         pure=False).result()
+    assert {r["version"] for r in late["rollouts"]} == {AdapterStore(discard.run.store_root).latest()} == {5}
 
 
 def test_rollout_worker_killed_during_generation(tmp_path, client):
@@ -235,33 +257,56 @@ def test_resume_after_driver_death(tmp_path, client):
     assert _chain(store) == [1, 2, 3, 4, 5]
 
 
-def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client):
-    """Killed after iteration 1 and resumed on trainer workers that lost their state (adapter and
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
+def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, dynamic):
+    """Killed after an iteration and resumed on trainer workers that lost their state (adapter and
     optimizer state reloaded from the store, as after a restart), a pipelined run ends where the
-    uninterrupted run ends. (Restarting the worker processes themselves, with Client.restart_workers,
-    timed out once in a fresh-clone run, with a nanny that did not bring its worker back in 120 s.)"""
+    uninterrupted run ends. With dynamic sampling the kill comes after an iteration that carried
+    groups over: the resumed run regenerates them, over-samples by the same running usable share, and
+    so draws and trains the same prompts and completions. (Restarting the worker processes
+    themselves, with Client.restart_workers, timed out once in a fresh-clone run, with a nanny that
+    did not bring its worker back in 120 s.)"""
     import torch
     from safetensors.torch import load_file
 
     from grpo_kit import trainer
+    from grpo_kit.testing import assert_run_exact
 
-    full = _cfg(tmp_path, iterations=4, world_size=1, run_dir=str(tmp_path / "full"))
-    loop.run(full, client=client, progress=False)
-    part = _cfg(tmp_path, iterations=4, world_size=1, run_dir=str(tmp_path / "part"))
+    kw = dict(iterations=4, world_size=1)
+    if dynamic:  # one batch ahead within max_staleness=2: the pipelined batch's surplus is carried
+        kw.update(iterations=5, dynamic_sampling=True, max_gen_batches=3, max_staleness=2, pipeline_depth=1)
+    full = _cfg(tmp_path, run_dir=str(tmp_path / "full"), **kw)
+    full_res = loop.run(full, client=client, progress=False)
+    kill = 1
+    if dynamic:
+        carried = [r["iteration"] for r in full_res.records[:-1] if r["carried_out_groups"]]
+        assert carried, "no group was carried over (the test did not exercise the carry)"
+        kill = carried[0]
+    part = _cfg(tmp_path, run_dir=str(tmp_path / "part"), **kw)
 
-    def die_after_1(rec):
-        if rec["iteration"] == 1:
+    def die_after(rec):
+        if rec["iteration"] == kill:
             raise _Stop
 
     with pytest.raises(_Stop):
-        loop.run(part, client=client, callbacks=[die_after_1], progress=False)
+        loop.run(part, client=client, callbacks=[die_after], progress=False)
     dropped = client.run(trainer.drop_state, workers=cl.workers_with(client, cl.TRAINER))
     assert list(dropped.values()) == [True, True]
     res = loop.run(part, client=client, resume=True, progress=False)
-    assert [r["rollout_version"] for r in res.records] == [0, 0, 1, 2]  # the pending batch's version too
+    if not dynamic:
+        assert [r["rollout_version"] for r in res.records] == [0, 0, 1, 2]  # the pending batch's version too
+    same = ("iteration", "version", "rollout_version", "generated_groups", "trained_groups", "carried_in_groups",
+            "carried_out_groups", "expired_groups", "gen_batches", "reward_mean")
+    assert [{k: r[k] for k in same} for r in res.records] == [{k: r[k] for k in same} for r in full_res.records]
+    keys = ("iteration", "prompt_id", "group_id", "sample_idx", "version", "reward", "text")
+    rows = [[{k: r[k] for k in keys} for r in _rollouts(tmp_path / d)] for d in ("full", "part")]
+    assert rows[0] == rows[1]  # the same prompts drawn, the same completions
     a, b = AdapterStore(full.run.store_root), AdapterStore(part.run.store_root)
-    wa = load_file(f"{a.fetch(4)}/adapter_model.safetensors")
-    wb = load_file(f"{b.fetch(4)}/adapter_model.safetensors")
+    assert_run_exact(tmp_path / "full", full, a)
+    assert_run_exact(tmp_path / "part", part, b)
+    last = full_res.records[-1]["version"]
+    wa = load_file(f"{a.fetch(last)}/adapter_model.safetensors")
+    wb = load_file(f"{b.fetch(last)}/adapter_model.safetensors")
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0), k

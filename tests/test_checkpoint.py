@@ -1,0 +1,44 @@
+"""The run state (grpo_kit.checkpoint): what a resumed run needs beyond the version, and reconcile."""
+
+from __future__ import annotations
+
+import json
+
+from grpo_kit import checkpoint
+from grpo_kit.adapters import AdapterStore
+
+
+def _publish(store: AdapterStore, tmp_path, version: int, iteration: int) -> None:
+    d = tmp_path / f"src{version}"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"r": 1}))
+    (d / "adapter_model.safetensors").write_bytes(b"x" * 10)
+    store.publish_dir(str(d), version, meta={"iteration": iteration}, parent=version - 1)
+
+
+def test_run_state_keeps_dynamic_sampling_and_the_batches_in_flight(tmp_path):
+    store = AdapterStore(str(tmp_path / "store"))
+    carry = [{"iteration": 3, "round": 1, "n": 6, "start": 2, "stop": 4, "group_id": 15, "version": 2}]
+    state = {**checkpoint.fresh_state("abc"), "next_iteration": 4, "version": 3,
+             **checkpoint.resume_fields([7, 12], carry, {4: (3, 8), 5: (3, None)})}
+    checkpoint.save_state(store, state)
+    back = checkpoint.load_state(store, "abc")
+    assert back["groups_seen"] == [7, 12] and back["carry"] == carry
+    assert back["pending"] == {"4": {"version": 3, "n": 8}, "5": {"version": 3, "n": None}}
+    fresh = checkpoint.fresh_state("abc")
+    assert (fresh["groups_seen"], fresh["carry"], fresh["pending"]) == ([0, 0], [], {})
+
+
+def test_reconcile_drops_the_carry_a_folded_in_step_consumed(tmp_path):
+    """The driver died after iteration 3's publish, before its run state: the state's carry went into
+    iteration 3, and iteration 3's own carry was never written, so the resumed run starts without one."""
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in (1, 2, 3):
+        _publish(store, tmp_path, v, v - 1)
+    carry = [{"iteration": 2, "round": 0, "n": 4, "start": 0, "stop": 2, "group_id": 1, "version": 1}]
+    state = {**checkpoint.fresh_state("abc"), "next_iteration": 2, "version": 2,
+             **checkpoint.resume_fields([3, 8], carry, {3: (2, 4)})}
+    out = checkpoint.reconcile(state, store)
+    assert (out["version"], out["next_iteration"], out["carry"]) == (3, 3, [])
+    assert out["groups_seen"] == [3, 8]
+    assert checkpoint.reconcile(state, AdapterStore(str(tmp_path / "empty")))["carry"] == carry  # nothing folded
