@@ -136,9 +136,9 @@ def run(
         gang = TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
         fabric = None
         if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric
-            c = cfg.cluster
-            fabric = preflight.run_preflight(client, gang.workers, preflight.parse_sizes(c.preflight_sizes),
-                                             min_busbw_gbps=c.preflight_min_busbw_gbps, on_slow=c.preflight_on_slow)
+            c = cfg.cluster  # a rank lost during the sweep re-forms the gang, as after a failed step
+            fabric = preflight.sweep_gang(gang, preflight.parse_sizes(c.preflight_sizes),
+                                          min_busbw_gbps=c.preflight_min_busbw_gbps, on_slow=c.preflight_on_slow)
             if progress:
                 print(f"preflight: all-reduce busbw peak {fabric.busbw_peak_gbps:.2f} GB/s ({fabric.backend}, "
                       f"{fabric.world_size} ranks)", flush=True)
