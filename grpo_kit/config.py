@@ -357,6 +357,12 @@ class RunConfig:
     """Write every completion of every k-th iteration to ``rollouts.jsonl`` (about 110 KB an
     iteration on the tiny profile); 0 writes none. ``samples.jsonl`` (three per iteration, for the
     report) and ``metrics.jsonl`` are always written."""
+    max_task_failures: int = 20
+    """Times the driver resubmits one rollout, reward, summary or eval task that Dask gave up on
+    because its workers kept dying (``KilledWorker``: the scheduler's ``allowed-failures``, default 3,
+    were used up; after that each further lost worker is one resubmission) before the run fails. The
+    tasks are seeded, so a resubmitted one reproduces its chunk: a preempted rollout worker costs a
+    batch, not the run. Counted in each record's ``task_resubmits``."""
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
@@ -373,6 +379,7 @@ class RunConfig:
                "generated ahead sample from that many versions back")
         _check(self.keep_every >= 0, f"keep_every must be >= 0, got {self.keep_every}")
         _check(self.rollouts_every >= 0, f"rollouts_every must be >= 0, got {self.rollouts_every}")
+        _check(self.max_task_failures >= 0, f"max_task_failures must be >= 0, got {self.max_task_failures}")
 
     @property
     def depth(self) -> int:

@@ -181,6 +181,7 @@ class _Driver:
         self.scorer = scorer
         # scoring runs on workers with the reward resource where there are any, else anywhere
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
+        self.retries = remote.TaskRetries(client, cfg.run.max_task_failures)  # resubmits what KilledWorker ends
         self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch (not resumed)
         self.groups_seen = [0, 0]  # dynamic sampling: usable and all groups generated so far
 
@@ -236,6 +237,8 @@ class _Driver:
                                              retries=2, priority=priority))
             futures.append(self.client.submit(remote.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
                                               retries=2, priority=priority))
+            if not round_:  # the batch's own chunks: gathered by self.retries, which can resubmit them
+                self.retries.hold(futures[-1], [gen])
         return futures, scored
 
     def fill_usable(self, it: int, results: list[dict], scored: list) -> tuple[list[dict], list[Group], dict]:
@@ -272,8 +275,10 @@ class _Driver:
     def collect_evals(self, block: bool = False) -> list[dict]:
         done = []
         for it, fut in list(self.evals):
+            if not block and self.retries.retry_lost([fut]):
+                continue  # resubmitted: its workers died (KilledWorker)
             if block or fut.done():
-                res = fut.result()
+                res = self.retries.gather([fut])[0]
                 res["iteration"] = it
                 done.append(res)
                 self.evals.remove((it, fut))
@@ -306,14 +311,14 @@ class _Driver:
         cfg, s = self.cfg, self.cfg.sampling
         t_iter = time.time()
         pend = self.pending.pop(it)
-        results = self.client.gather(pend.futures)
+        results = self.retries.gather(pend.futures)
         rejected = 0
         if self.state["version"] - pend.version > cfg.run.max_staleness:
             # too stale (staleness_policy="discard"): drop it, generate it again from the current adapter
             rejected = cfg.sampling.prompts_per_step
             self.submit_generation(it, version=self.state["version"])
             pend = self.pending.pop(it)
-            results = self.client.gather(pend.futures)
+            results = self.retries.gather(pend.futures)
         t_gen_done = time.time()
         for j in range(it + 1, it + 1 + self.depth):  # pipelining: next batch before we train
             self.submit_generation(j)
@@ -337,7 +342,8 @@ class _Driver:
         if lag > cfg.run.max_staleness:  # the loop regenerates too-stale batches before they get here
             raise RuntimeError(f"iteration {it}: a batch {lag} versions behind reached the trainer (max_staleness "
                                f"{cfg.run.max_staleness})")
-        return Batch(it, pend.version, results, rollouts, generated, picked, lags, rejected, dyn, t_iter, t_gen_done)
+        return Batch(it, pend.version, results, rollouts, generated, picked, lags, rejected, dyn, t_iter, t_gen_done,
+                     self.retries.take())
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
