@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from distributed import Client, wait
+from distributed.scheduler import KilledWorker
 
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
@@ -185,9 +186,12 @@ class TrainerGang:
     def _alive(self) -> bool:
         return present(self.client, self.workers)
 
-    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore) -> dict:
+    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore, retries=None) -> dict:
         """Train on ``batch`` from ``version``; returns rank 0's stats (identical on all ranks).
-        Every rank task fetches the batch's scored chunks from the workers that hold them."""
+        Every rank task fetches the batch's scored chunks from the workers that hold them. A chunk
+        lost with its workers while they fetch it (Dask recomputes it; ``KilledWorker`` when its
+        workers keep dying) is resubmitted by ``retries`` (:class:`grpo_kit.remote.TaskRetries`) and
+        the step runs again on a re-formed gang, not counted as a restart: no rank failed."""
         while True:
             futures = [
                 self.client.submit(train_rank_on, spec, batch.scored, batch.picks, batch.group_size, version, iteration,
@@ -203,6 +207,10 @@ class TrainerGang:
                     raise RuntimeError(f"trainer ranks diverged at iteration {iteration}: parameter sums {sums}")
                 return {**results[0], "ranks": results}
             self.client.cancel(futures)
+            if retries is not None and isinstance(error, KilledWorker) and retries.retry_lost(batch.scored):
+                log.warning("a scored chunk of iteration %d was lost with its workers; resubmitted, re-forming", iteration)
+                self.reset()
+                continue
             if store.exists(version + 1):
                 # Rank 0 published before the failure surfaced: the step is done, the gang is not.
                 self.restarts += 1

@@ -237,8 +237,7 @@ class _Driver:
                                              retries=2, priority=priority))
             futures.append(self.client.submit(remote.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
                                               retries=2, priority=priority))
-            if not round_:  # the batch's own chunks: gathered by self.retries, which can resubmit them
-                self.retries.hold(futures[-1], [gen])
+            self.retries.hold(iteration, [gen])  # so that a KilledWorker in the chain can be resubmitted
         return futures, scored
 
     def fill_usable(self, it: int, results: list[dict], scored: list) -> tuple[list[dict], list[Group], dict]:
@@ -353,8 +352,9 @@ class _Driver:
         # by reference: the ranks fetch the tokens and take the advantages from the same rewards
         rollout_batch = batch_of(batch.picked, cfg.sampling.group_size)
         t_train = time.time()
-        stats = self.gang.step(rollout_batch, version, it, self.store) if rollout_batch else {}
+        stats = self.gang.step(rollout_batch, version, it, self.store, retries=self.retries) if rollout_batch else {}
         t_train_end = time.time()
+        self.retries.release_before(it - self.depth - cfg.run.max_staleness)  # carried groups may still train
         self.state["version"] = version + 1 if rollout_batch else version
         if rollout_batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
             self.submit_eval(it, self.state["version"])

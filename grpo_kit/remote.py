@@ -248,19 +248,25 @@ class TaskRetries:
     first ``KilledWorker``, each further worker lost while running it is one resubmission.
 
     ``Client.retry`` needs the client to hold a future of every task it retries, the erred
-    dependencies included: :meth:`hold` keeps those (a chunk's rollout task, under its summary) until
-    :meth:`gather` has the result."""
+    dependencies included: :meth:`hold` keeps those (a chunk's rollout task, under its scored chunk
+    and summary) for as long as the chunk may be trained on (:meth:`release_before`)."""
 
     def __init__(self, client: Client, max_failures: int):
         self.client, self.max_failures = client, max_failures
         self.failures: dict[str, int] = {}  # resubmissions per task key
         self.resubmitted = 0  # in all
         self._taken = 0
-        self._held: dict[str, list] = {}  # gathered future's key -> futures of its upstream tasks
+        self._held: dict[int, list] = {}  # iteration -> futures of upstream tasks its chunks depend on
 
-    def hold(self, future, upstream: list) -> None:
-        """Keep ``upstream`` (futures ``future`` depends on) until :meth:`gather` returns ``future``'s result."""
-        self._held[future.key] = list(upstream)
+    def hold(self, iteration: int, upstream: list) -> None:
+        """Keep ``upstream`` (futures the driver does not otherwise hold, which its chunks of
+        ``iteration`` depend on) until :meth:`release_before` passes ``iteration``."""
+        self._held.setdefault(iteration, []).extend(upstream)
+
+    def release_before(self, iteration: int) -> None:
+        """Drop the futures held for iterations before ``iteration`` (their chunks are trained or dropped)."""
+        for it in [i for i in self._held if i < iteration]:
+            del self._held[it]
 
     def retry_lost(self, futures: list) -> int:
         """Resubmit those of ``futures`` that ended in ``KilledWorker``; returns how many."""
@@ -281,14 +287,10 @@ class TaskRetries:
         """``client.gather(futures)``, resubmitting what ends in ``KilledWorker`` (:meth:`retry_lost`)."""
         while True:
             try:
-                out = self.client.gather(futures)
+                return self.client.gather(futures)
             except KilledWorker:
                 if not self.retry_lost(futures):
                     raise
-                continue
-            for f in futures:
-                self._held.pop(f.key, None)
-            return out
 
     def take(self) -> int:
         """Resubmissions since the last call (a metrics record's ``task_resubmits``)."""
