@@ -110,6 +110,25 @@ def test_a_worker_lost_mid_sweep_fails_it_fast_and_the_next_sweep_runs(client):
     assert res.world_size == 2 and res.workers == back[:2]
 
 
+def test_a_rank_pinned_to_a_departed_worker_fails_the_sweep_fast(client):
+    """A lost worker as the sweep sees it before its peer notices: rank 1 pinned to an address no
+    worker has (its task never runs), rank 0 waiting for it in the rendezvous. SweepFailed comes
+    within seconds, not after timeout_s + 60, and rank 0's worker, stuck in the rendezvous, is
+    restarted rather than left busy until timeout_s: a sweep right after runs."""
+    timeout_s = 120.0
+    w0 = cl.workers_with(client, cl.TRAINER)[0]
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:  # its type is checked below, after the clock
+        preflight.run_preflight(client, [w0, "tcp://127.0.0.1:9"], sizes=SIZES[:1], timeout_s=timeout_s)
+    took = time.monotonic() - t0
+    assert took < 45.0 < timeout_s, f"the sweep raised after {took:.1f}s"
+    assert isinstance(err.value, preflight.SweepFailed), err.value
+    back = cl.wait_for_role(client, cl.TRAINER, 2)
+    assert w0 not in back  # restarted by its nanny
+    res = preflight.run_preflight(client, back[:2], sizes=SIZES[:1], timeout_s=60)
+    assert res.world_size == 2 and res.workers == back[:2]
+
+
 def test_run_reforms_the_gang_when_a_rank_dies_in_the_sweep(tmp_path, client):
     cfg = config.profile("tiny", engine="hf", iterations=2, eval_every=0, eval_size=8, prompts_per_step=2,
                          group_size=2, max_new_tokens=8, world_size=2, collective_timeout_s=30,
