@@ -413,3 +413,19 @@ def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, client):
     assert resubmits[0] == 0 and resubmits[1] >= len(killed) - allowed and resubmits[2] == 0, resubmits
     assert res.records[-1]["gang_restarts"] == 0  # the trainer gang never noticed
     cl.wait_for_role(client, cl.ROLLOUT, 2)
+
+
+def test_task_resubmissions_are_bounded(tmp_path, client):
+    """max_task_failures=0: the first KilledWorker of a rollout task ends the run, clearly."""
+    import dask
+
+    from grpo_kit import remote
+
+    allowed = dask.config.get("distributed.scheduler.allowed-failures")
+    cfg = _cfg(tmp_path, iterations=3, world_size=1, max_task_failures=0)
+    killed = []
+    _kill_repeatedly(client, "-rollout-1-0-", allowed + 1, killed)
+    with pytest.raises(remote.TasksLost, match="max_task_failures=0"):
+        loop.run(cfg, client=client, progress=False)
+    assert len(killed) == allowed + 1
+    cl.wait_for_role(client, cl.ROLLOUT, 2)
