@@ -328,9 +328,12 @@ class RunConfig:
     """Batches generated ahead of the trainer (with ``pipelined``); None means ``max_staleness``."""
     staleness_policy: str = "pace"
     """``"pace"``: generation waits, so that no batch is ever more than ``max_staleness`` behind (the
-    depth is capped at it). ``"discard"``: generation runs ``pipeline_depth`` batches ahead with the
-    newest adapter; a batch found more than ``max_staleness`` behind when its turn comes is discarded
-    and generated again from the current adapter (counted in ``rejected_groups``)."""
+    depth is capped at it). ``"discard"``: generation runs ``pipeline_depth`` batches ahead, each chunk
+    with the newest adapter in the store when it starts on a rollout worker (so a chunk that queued
+    behind others samples a newer version); a batch found more than ``max_staleness`` behind when its
+    turn comes is discarded and generated again from the current adapter (counted in
+    ``rejected_groups``). With idle rollout workers and ``pipeline_depth > max_staleness`` every
+    batch starts ``pipeline_depth`` versions behind and is regenerated: use ``"pace"`` there."""
     eval_every: int = 4
     """Evaluate held-out accuracy every k iterations (and at the end); 0 disables."""
     seed: int = 0
@@ -353,6 +356,12 @@ class RunConfig:
     """Write every completion of every k-th iteration to ``rollouts.jsonl`` (about 110 KB an
     iteration on the tiny profile); 0 writes none. ``samples.jsonl`` (three per iteration, for the
     report) and ``metrics.jsonl`` are always written."""
+    max_task_failures: int = 20
+    """Times the driver resubmits one rollout, reward, summary or eval task that Dask gave up on
+    because its workers kept dying (``KilledWorker``: the scheduler's ``allowed-failures``, default 3,
+    were used up; after that each further lost worker is one resubmission) before the run fails. The
+    tasks are seeded, so a resubmitted one reproduces its chunk: a preempted rollout worker costs a
+    batch, not the run. Counted in each record's ``task_resubmits``."""
 
     def __post_init__(self) -> None:
         _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
@@ -369,6 +378,7 @@ class RunConfig:
                "generated ahead sample from that many versions back")
         _check(self.keep_every >= 0, f"keep_every must be >= 0, got {self.keep_every}")
         _check(self.rollouts_every >= 0, f"rollouts_every must be >= 0, got {self.rollouts_every}")
+        _check(self.max_task_failures >= 0, f"max_task_failures must be >= 0, got {self.max_task_failures}")
 
     @property
     def depth(self) -> int:

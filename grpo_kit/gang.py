@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from distributed import Client, wait
+from distributed.scheduler import KilledWorker
 
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
@@ -35,10 +36,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_first_error(futures, timeout: float, alive=None):
+def wait_first_error(futures, timeout: float, alive=None):
     """Wait until all futures finish, one fails, ``alive()`` turns False, or ``timeout`` passes.
 
-    Returns (finished futures, error or None). Dask's ``wait`` has no FIRST_EXCEPTION mode.
+    Returns (finished futures, error or None). Dask's ``wait`` has no FIRST_EXCEPTION mode (its
+    ``return_when`` takes ALL_COMPLETED and FIRST_COMPLETED only), so this waits for the first
+    completion, one second at a time, and checks ``alive()`` between waits: a task pinned to a
+    worker that left never completes (see :func:`present`).
     """
     deadline = time.time() + timeout
     pending = set(futures)
@@ -57,6 +61,12 @@ def _wait_first_error(futures, timeout: float, alive=None):
             if f.status == "error":
                 return set(futures) - pending, f.exception()
     return set(futures), None
+
+
+def present(client: Client, workers: list[str]) -> bool:
+    """Whether every one of ``workers`` is still in the cluster (as a trainer): a task pinned to one
+    that left (``allow_other_workers=False``) would wait for it forever."""
+    return set(workers) <= set(workers_with(client, TRAINER))
 
 
 def run_bounded(client: Client, fn, workers: list[str], timeout: float) -> dict:
@@ -174,11 +184,14 @@ class TrainerGang:
                 for r in range(self.base_spec.world_size)]
 
     def _alive(self) -> bool:
-        return set(self.workers) <= set(workers_with(self.client, TRAINER))
+        return present(self.client, self.workers)
 
-    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore) -> dict:
+    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore, retries=None) -> dict:
         """Train on ``batch`` from ``version``; returns rank 0's stats (identical on all ranks).
-        Every rank task fetches the batch's scored chunks from the workers that hold them."""
+        Every rank task fetches the batch's scored chunks from the workers that hold them. A chunk
+        lost with its workers while they fetch it (Dask recomputes it; ``KilledWorker`` when its
+        workers keep dying) is resubmitted by ``retries`` (:class:`grpo_kit.remote.TaskRetries`) and
+        the step runs again on a re-formed gang, not counted as a restart: no rank failed."""
         while True:
             futures = [
                 self.client.submit(train_rank_on, spec, batch.scored, batch.picks, batch.group_size, version, iteration,
@@ -186,7 +199,7 @@ class TrainerGang:
                                    key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")
                 for spec, w in zip(self.specs(), self.workers, strict=True)
             ]
-            _, error = _wait_first_error(futures, self.step_timeout_s, alive=self._alive)
+            _, error = wait_first_error(futures, self.step_timeout_s, alive=self._alive)
             if error is None:
                 results = [f.result() for f in futures]
                 sums = [r["param_checksum"] for r in results]
@@ -194,21 +207,31 @@ class TrainerGang:
                     raise RuntimeError(f"trainer ranks diverged at iteration {iteration}: parameter sums {sums}")
                 return {**results[0], "ranks": results}
             self.client.cancel(futures)
-            self.restarts += 1
+            if retries is not None and isinstance(error, KilledWorker) and retries.retry_lost(batch.scored):
+                log.warning("a scored chunk of iteration %d was lost with its workers; resubmitted, re-forming", iteration)
+                self.reset()
+                continue
             if store.exists(version + 1):
                 # Rank 0 published before the failure surfaced: the step is done, the gang is not.
+                self.restarts += 1
                 log.warning("trainer gang failed after publishing v%d (%s); re-forming", version + 1, error)
                 self.reset()
                 meta = store.manifest(version + 1).get("meta", {})
                 return {**meta.get("stats", {}), "recovered": True}
-            log.warning("trainer gang failed at iteration %d (%s); restart %d of %d", iteration, error,
-                        self.restarts, self.max_restarts)
-            if self.restarts > self.max_restarts:
-                raise GangFailed(
-                    f"trainer gang failed {self.restarts} times (max_restarts={self.max_restarts}); last error at "
-                    f"iteration {iteration}: {error!r}"
-                ) from error
-            self.reset()
+            self.recover(error, f"iteration {iteration}")
+
+    def recover(self, error: BaseException, where: str) -> None:
+        """After a failure of the gang's rank tasks (a training step, or the pre-flight sweep:
+        :func:`grpo_kit.preflight.sweep_gang`): count it as a restart, fail with :class:`GangFailed`
+        past ``max_restarts``, else re-form the gang (:meth:`reset`) for the caller to try again."""
+        self.restarts += 1
+        log.warning("trainer gang failed at %s (%s); restart %d of %d", where, error, self.restarts, self.max_restarts)
+        if self.restarts > self.max_restarts:
+            raise GangFailed(
+                f"trainer gang failed {self.restarts} times (max_restarts={self.max_restarts}); last error at "
+                f"{where}: {error!r}"
+            ) from error
+        self.reset()
 
     def reset(self, timeout: float = 120) -> None:
         """Tear the process group down on every live trainer and form a new gang.

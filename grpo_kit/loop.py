@@ -141,9 +141,9 @@ def run(
         gang = TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
         fabric = None
         if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric
-            c = cfg.cluster
-            fabric = preflight.run_preflight(client, gang.workers, preflight.parse_sizes(c.preflight_sizes),
-                                             min_busbw_gbps=c.preflight_min_busbw_gbps, on_slow=c.preflight_on_slow)
+            c = cfg.cluster  # a rank lost during the sweep re-forms the gang, as after a failed step
+            fabric = preflight.sweep_gang(gang, preflight.parse_sizes(c.preflight_sizes),
+                                          min_busbw_gbps=c.preflight_min_busbw_gbps, on_slow=c.preflight_on_slow)
             if progress:
                 print(f"preflight: all-reduce busbw peak {fabric.busbw_peak_gbps:.2f} GB/s ({fabric.backend}, "
                       f"{fabric.world_size} ranks)", flush=True)
@@ -186,6 +186,7 @@ class _Driver:
         self.scorer = scorer
         # scoring runs on workers with the reward resource where there are any, else anywhere
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
+        self.retries = remote.TaskRetries(client, cfg.run.max_task_failures)  # resubmits what KilledWorker ends
         self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch
         self.carry_for = state["next_iteration"]  # the iteration the carry goes into
         self.carry_specs: list[dict] = []  # where each carried group's chunk came from (the run state keeps them)
@@ -257,6 +258,7 @@ class _Driver:
                                              retries=2, priority=priority))
             futures.append(self.client.submit(remote.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
                                               retries=2, priority=priority))
+            self.retries.hold(iteration, [gen])  # so that a KilledWorker in the chain can be resubmitted
         return futures, scored
 
     def fill_usable(self, it: int, results: list[dict], scored: list, n0: int | None = None
@@ -276,7 +278,7 @@ class _Driver:
         while len(sel.train) < s.prompts_per_step and len(fresh) < bound:
             n = extra_prompts(s.prompts_per_step - len(sel.train), self.usable_share_seen(fresh), bound - len(fresh))
             more_f, more_scored = self.submit_round(it, rounds, version, n, priority=10)
-            more = self.client.gather(more_f)
+            more = self.retries.gather(more_f)
             results = results + more
             fresh += groups_of(more, more_scored, s.group_size)
             specs.update(self.chunk_specs(it, rounds, n, more, more_scored))
@@ -327,7 +329,8 @@ class _Driver:
                                         key=f"{self.key}-reward-{tag}", resources=self.reward_resources, retries=2)
             chunks[k] = (self.client.submit(remote.summary_task, scored, key=f"{self.key}-summary-{tag}", retries=2),
                          scored)
-        summaries = dict(zip(chunks, self.client.gather([f for f, _ in chunks.values()]), strict=True))
+            self.retries.hold(e["iteration"], [gen])  # so that a KilledWorker in the chain can be resubmitted
+        summaries = dict(zip(chunks, self.retries.gather([f for f, _ in chunks.values()]), strict=True))
         by = {(k, g.payload[0][0].group_id): g for k, (_, scored) in chunks.items()
               for g in groups_of([summaries[k]], [scored], s.group_size)}
         self.carry = [by[((e["iteration"], e["round"], e["start"], e["version"]), e["group_id"])] for e in entries]
@@ -351,8 +354,10 @@ class _Driver:
     def collect_evals(self, block: bool = False) -> list[dict]:
         done = []
         for it, fut in list(self.evals):
+            if not block and self.retries.retry_lost([fut]):
+                continue  # resubmitted: its workers died (KilledWorker)
             if block or fut.done():
-                res = fut.result()
+                res = self.retries.gather([fut])[0]
                 res["iteration"] = it
                 done.append(res)
                 self.evals.remove((it, fut))
@@ -387,7 +392,7 @@ class _Driver:
         cfg, s = self.cfg, self.cfg.sampling
         t_iter = time.time()
         pend = self.pending.pop(it)
-        results = self.client.gather(pend.futures)
+        results = self.retries.gather(pend.futures)
         pend.version = sampled_version(results, pend.version)
         rejected = 0
         if self.state["version"] - pend.version > cfg.run.max_staleness:
@@ -395,7 +400,7 @@ class _Driver:
             rejected = cfg.sampling.prompts_per_step
             self.submit_generation(it, version=self.state["version"])
             pend = self.pending.pop(it)
-            results = self.client.gather(pend.futures)
+            results = self.retries.gather(pend.futures)
             pend.version = sampled_version(results, pend.version)
         t_gen_done = time.time()
         ahead = range(it + 1, it + 1 + self.depth)  # pipelining: the next batches, submitted before we train
@@ -424,7 +429,8 @@ class _Driver:
         if lag > cfg.run.max_staleness:  # the loop regenerates too-stale batches before they get here
             raise RuntimeError(f"iteration {it}: a batch {lag} versions behind reached the trainer (max_staleness "
                                f"{cfg.run.max_staleness})")
-        return Batch(it, pend.version, results, rollouts, generated, picked, lags, rejected, dyn, t_iter, t_gen_done)
+        return Batch(it, pend.version, results, rollouts, generated, picked, lags, rejected, dyn, t_iter, t_gen_done,
+                     self.retries.take())
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
@@ -434,8 +440,9 @@ class _Driver:
         # by reference: the ranks fetch the tokens and take the advantages from the same rewards
         rollout_batch = batch_of(batch.picked, cfg.sampling.group_size)
         t_train = time.time()
-        stats = self.gang.step(rollout_batch, version, it, self.store) if rollout_batch else {}
+        stats = self.gang.step(rollout_batch, version, it, self.store, retries=self.retries) if rollout_batch else {}
         t_train_end = time.time()
+        self.retries.release_before(it - self.depth - cfg.run.max_staleness)  # carried groups may still train
         self.state["version"] = version + 1 if rollout_batch else version
         if rollout_batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
             self.submit_eval(it, self.state["version"])

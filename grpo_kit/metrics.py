@@ -48,6 +48,8 @@ class Batch:
     """Unix time the iteration started."""
     t_gen_done: float
     """Unix time the batch was in."""
+    task_resubmits: int = 0
+    """Tasks resubmitted after ``KilledWorker`` since the previous record (``remote.TaskRetries``)."""
 
 
 @dataclass
@@ -150,6 +152,7 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
             "checkpoint_s": ranks[0]["checkpoint_s"] if ranks else None,
             "prepare_s": ranks[0]["prepare_s"] if ranks else None,
             "gang_restarts": gang_restarts,
+            "task_resubmits": batch.task_resubmits,
             "t_iter_start": t_iter,
             "t_iter_end": iter_end,
             "iter_s": iter_end - t_iter,

@@ -34,6 +34,18 @@ class FabricTooSlow(RuntimeError):
     """The trainer ranks' all-reduce bus bandwidth is below the configured floor."""
 
 
+class SweepFailed(RuntimeError):
+    """A rank of the sweep failed, or its trainer worker left the cluster: the sweep stopped at
+    once (its other ranks cancelled). A run re-forms its trainer gang and sweeps again
+    (:func:`sweep_gang`), as it does after a failed training step."""
+
+
+STUCK_GRACE_S = 5.0
+"""After a rank failed, seconds the other ranks get to finish (a gloo peer that lost its partner
+mid-collective fails at once) before their workers are restarted: one stuck in the rendezvous would
+wait out the group's timeout and hold its worker's thread, so the next sweep would queue behind it."""
+
+
 @dataclass
 class PreflightResult:
     world_size: int
@@ -140,11 +152,14 @@ def run_preflight(client, workers: list[str] | None = None, sizes=DEFAULT_SIZES,
 
     Below ``min_busbw_gbps`` (peak bus bandwidth), ``on_slow="warn"`` warns and ``"error"`` raises
     :class:`FabricTooSlow`. Run it between runs, never while a run's gang holds a process group.
+    A rank that fails, or a worker that leaves, stops the sweep at once with :class:`SweepFailed`
+    (the other ranks cancelled, and their workers restarted if still stuck after
+    :data:`STUCK_GRACE_S`); ``timeout_s`` (the process group's) plus a minute bounds the rest.
     """
     from distributed import wait
 
     from .cluster import TRAINER, workers_with
-    from .gang import free_port, local_ranks
+    from .gang import free_port, local_ranks, present, wait_first_error
 
     if on_slow not in ("warn", "error"):
         raise ValueError(f"on_slow must be 'warn' or 'error', got {on_slow!r}")
@@ -158,10 +173,24 @@ def run_preflight(client, workers: list[str] | None = None, sizes=DEFAULT_SIZES,
     futures = [client.submit(sweep_rank, r, n, init_method, sizes, local[r], timeout_s, workers=[w],
                              allow_other_workers=False, pure=False, key=f"preflight-{port}-r{r}")
                for r, w in enumerate(workers)]
-    done, not_done = wait(futures, timeout=timeout_s + 60)
-    if not_done:
-        client.cancel(list(not_done))
+    done, error = wait_first_error(futures, timeout_s + 60, alive=lambda: present(client, workers))
+    if isinstance(error, TimeoutError):
+        client.cancel(futures)
         raise TimeoutError(f"the all-reduce sweep did not finish within {timeout_s + 60:.0f}s on {workers}")
+    if error is not None:
+        live = set(workers_with(client, TRAINER))
+        running = [f for f, w in zip(futures, workers, strict=True) if f not in done and w in live]
+        if running:
+            try:
+                wait(running, timeout=STUCK_GRACE_S)
+            except TimeoutError:
+                pass
+        stuck = [w for f, w in zip(futures, workers, strict=True) if f in running and f.status == "pending"]
+        client.cancel(futures)
+        if stuck:  # in the rendezvous or a collective with a departed peer: their threads would stay busy
+            log.warning("restarting trainer workers %s, stuck in the sweep after a rank failed", stuck)
+            client.restart_workers(stuck, timeout=max(60.0, timeout_s), raise_for_error=False)
+        raise SweepFailed(f"the all-reduce sweep on {workers} failed: {error!r}") from error
     times = client.gather(futures)[0]  # identical on every rank (all-reduced MAX)
     dev = client.run(lambda: torch.cuda.is_available(), workers=[workers[0]])[workers[0]]
     algbw = [s / t / 1e9 for s, t in zip(sizes, times, strict=True)]
@@ -176,6 +205,21 @@ def run_preflight(client, workers: list[str] | None = None, sizes=DEFAULT_SIZES,
             raise FabricTooSlow(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return res
+
+
+def sweep_gang(gang, sizes=DEFAULT_SIZES, *, min_busbw_gbps: float = 0.0, on_slow: str = "warn",
+               timeout_s: float = 300.0) -> PreflightResult:
+    """:func:`run_preflight` across a run's trainer gang (:class:`grpo_kit.gang.TrainerGang`). A lost
+    rank (:class:`SweepFailed`) is recovered as a failed training step is
+    (:meth:`~grpo_kit.gang.TrainerGang.recover`: counted in ``gang_restarts``, the gang re-formed,
+    :class:`~grpo_kit.gang.GangFailed` past ``max_restarts``), and the sweep runs again on the new
+    gang. A slow fabric (:class:`FabricTooSlow`) is not retried."""
+    while True:
+        try:
+            return run_preflight(gang.client, gang.workers, sizes, min_busbw_gbps=min_busbw_gbps, on_slow=on_slow,
+                                 timeout_s=timeout_s)
+        except SweepFailed as e:
+            gang.recover(e, "the pre-flight sweep")
 
 
 def parse_sizes(text: str) -> list[int]:

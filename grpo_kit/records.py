@@ -220,6 +220,9 @@ class MetricsRecord(TypedDict, total=False):
     """Rank 0's time fetching and preparing the batch."""
     gang_restarts: int
     """Times the trainer gang was re-formed so far in this run."""
+    task_resubmits: int
+    """Rollout, reward, summary and eval tasks the driver resubmitted since the previous record because
+    their workers kept dying (Dask's ``KilledWorker``; at most ``max_task_failures`` per task)."""
     t_iter_start: float
     """Unix time the iteration started."""
     t_iter_end: float

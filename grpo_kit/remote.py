@@ -5,6 +5,10 @@
   workers and re-runs them elsewhere if a worker dies (Dask's own recomputation of lost tasks, plus
   ``retries`` for raised errors). The engine is worker-resident (:class:`EnginePlugin`): built on
   first use, then reused; only adapters are fetched per version.
+- A task Dask gives up on because its workers kept dying (``KilledWorker``: more than the scheduler's
+  ``distributed.scheduler.allowed-failures``, default 3, lost it) is resubmitted by the driver
+  (:class:`TaskRetries`, ``Client.retry``: same key, same seed, so it reproduces its result), up to
+  ``RunConfig.max_task_failures`` times per task: a preempted rollout worker costs a batch, not the run.
 - The driver stays out of the data path: it gathers :func:`summary_task`'s view of each scored
   chunk (rewards, counts, texts; no token ids or log-probs) and hands the trainer gang
   (:mod:`grpo_kit.gang`) the scored chunks' futures; each rank task fetches them from the rollout
@@ -19,6 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from distributed import Client, WorkerPlugin, get_worker
+from distributed.scheduler import KilledWorker
 
 from .adapters import AdapterStore
 from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, warm_workers, workers_with
@@ -233,6 +238,70 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         "start": t0,
         "end": time.time(),
     }
+
+
+class TasksLost(RuntimeError):
+    """A task's workers died more often than ``RunConfig.max_task_failures`` resubmissions allow."""
+
+
+class TaskRetries:
+    """The driver's collection of rollout, reward, summary and eval results: futures that ended in
+    ``KilledWorker`` (the scheduler gave up after ``allowed-failures`` workers died running the task)
+    are resubmitted with ``Client.retry`` (the task and its erred dependencies, under the same keys,
+    so futures held elsewhere, e.g. a batch's scored chunks, stay valid), at most ``max_failures``
+    times per task, then :class:`TasksLost`. These tasks are seeded and idempotent, so a retry
+    reproduces the result. Dask does not reset a task's count of lost workers on a retry: after its
+    first ``KilledWorker``, each further worker lost while running it is one resubmission.
+
+    ``Client.retry`` needs the client to hold a future of every task it retries, the erred
+    dependencies included: :meth:`hold` keeps those (a chunk's rollout task, under its scored chunk
+    and summary) for as long as the chunk may be trained on (:meth:`release_before`)."""
+
+    def __init__(self, client: Client, max_failures: int):
+        self.client, self.max_failures = client, max_failures
+        self.failures: dict[str, int] = {}  # resubmissions per task key
+        self.resubmitted = 0  # in all
+        self._taken = 0
+        self._held: dict[int, list] = {}  # iteration -> futures of upstream tasks its chunks depend on
+
+    def hold(self, iteration: int, upstream: list) -> None:
+        """Keep ``upstream`` (futures the driver does not otherwise hold, which its chunks of
+        ``iteration`` depend on) until :meth:`release_before` passes ``iteration``."""
+        self._held.setdefault(iteration, []).extend(upstream)
+
+    def release_before(self, iteration: int) -> None:
+        """Drop the futures held for iterations before ``iteration`` (their chunks are trained or dropped)."""
+        for it in [i for i in self._held if i < iteration]:
+            del self._held[it]
+
+    def retry_lost(self, futures: list) -> int:
+        """Resubmit those of ``futures`` that ended in ``KilledWorker``; returns how many."""
+        lost = [f for f in futures if f.status == "error" and isinstance(f.exception(), KilledWorker)]
+        for f in lost:
+            n = self.failures[f.key] = self.failures.get(f.key, 0) + 1
+            if n > self.max_failures:
+                raise TasksLost(f"task {f.key} lost its workers after {n - 1} resubmissions "
+                                f"(max_task_failures={self.max_failures}): {f.exception()!r}") from f.exception()
+        if lost:
+            log.warning("resubmitting %d task(s) whose workers died (KilledWorker): %s", len(lost),
+                        [f.key for f in lost])
+            self.client.retry(lost)
+            self.resubmitted += len(lost)
+        return len(lost)
+
+    def gather(self, futures: list) -> list:
+        """``client.gather(futures)``, resubmitting what ends in ``KilledWorker`` (:meth:`retry_lost`)."""
+        while True:
+            try:
+                return self.client.gather(futures)
+            except KilledWorker:
+                if not self.retry_lost(futures):
+                    raise
+
+    def take(self) -> int:
+        """Resubmissions since the last call (a metrics record's ``task_resubmits``)."""
+        n, self._taken = self.resubmitted - self._taken, self.resubmitted
+        return n
 
 
 def problem_dict(p: Problem) -> dict:

@@ -411,3 +411,66 @@ def test_rollout_workers_join_and_leave_mid_run(tmp_path, client):
         assert cl.workers_with(client, cl.TRAINER) == trainers_before and recs[-1]["gang_restarts"] == 0
     finally:
         cl.scale_rollout(client, 2)
+
+
+def _kill_repeatedly(client, part: str, times: int, killed: list, timeout: float = 300):
+    """A thread that SIGKILLs, ``times`` times, the worker process holding a task whose key contains
+    ``part`` (each kill a new process: the nanny's replacement, under a new address)."""
+
+    def watch():
+        pids: dict = {}
+        deadline = time.time() + timeout
+        while time.time() < deadline and len(killed) < times:
+            for worker, keys in client.processing().items():
+                if worker in killed or not any(part in str(k) for k in keys):
+                    continue
+                if worker not in pids:
+                    pids.update({w: p for w, p in client.run(os.getpid, on_error="return").items() if isinstance(p, int)})
+                if worker in pids:
+                    os.kill(pids[worker], signal.SIGKILL)
+                    killed.append(worker)
+                    break
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, client):
+    """The worker holding one rollout task is killed 5 times, past Dask's allowed-failures (3): the
+    4th loss ends the task in KilledWorker, and so does each loss after it. The driver resubmits it
+    (seeded: the same groups come back), the run completes and the records count the resubmissions."""
+    import dask
+
+    allowed = dask.config.get("distributed.scheduler.allowed-failures")  # this process runs the scheduler
+    cfg = _cfg(tmp_path, iterations=3, world_size=1)
+    killed = []
+    watcher = _kill_repeatedly(client, "-rollout-1-0-", allowed + 2, killed)
+    res = loop.run(cfg, client=client, progress=False)
+    watcher.join(timeout=5)
+    assert len(killed) == allowed + 2, f"only {len(killed)} workers were killed"
+    assert [r["iteration"] for r in res.records] == [0, 1, 2]
+    _assert_groups_exact(tmp_path / "run", cfg)
+    _chain(AdapterStore(cfg.run.store_root))
+    resubmits = [r["task_resubmits"] for r in res.records]
+    # every loss past the allowed ones was a KilledWorker the driver resubmitted, while gathering batch 1
+    assert resubmits[0] == 0 and resubmits[1] >= len(killed) - allowed and resubmits[2] == 0, resubmits
+    assert res.records[-1]["gang_restarts"] == 0  # the trainer gang never noticed
+    cl.wait_for_role(client, cl.ROLLOUT, 2)
+
+
+def test_task_resubmissions_are_bounded(tmp_path, client):
+    """max_task_failures=0: the first KilledWorker of a rollout task ends the run, clearly."""
+    import dask
+
+    from grpo_kit import remote
+
+    allowed = dask.config.get("distributed.scheduler.allowed-failures")
+    cfg = _cfg(tmp_path, iterations=3, world_size=1, max_task_failures=0)
+    killed = []
+    _kill_repeatedly(client, "-rollout-1-0-", allowed + 1, killed)
+    with pytest.raises(remote.TasksLost, match="max_task_failures=0"):
+        loop.run(cfg, client=client, progress=False)
+    assert len(killed) == allowed + 1
+    cl.wait_for_role(client, cl.ROLLOUT, 2)

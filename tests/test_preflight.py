@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +65,81 @@ def test_run_records_the_sweep_and_a_slow_fabric_stops_it(tmp_path, client):
         loop.run(slow, client=client, progress=False)
     assert (tmp_path / "slow" / "metrics.jsonl").read_text() == ""  # failed before the first iteration
     assert AdapterStore(slow.run.store_root).versions() == []
+
+
+def _kill_rank_during_sweep(client, rank: int, killed: list, after: float = 1.0, timeout: float = 120):
+    """A thread that SIGKILLs the worker process running the sweep's rank ``rank`` once both ranks'
+    tasks have run for ``after`` seconds; appends (worker, monotonic time of the kill) to ``killed``."""
+    pids = client.run(os.getpid)
+
+    def watch():
+        deadline, seen = time.time() + timeout, None
+        while time.time() < deadline and not killed:
+            procs = client.processing()
+            ranks = {str(k).rsplit("-", 1)[1]: w for w, keys in procs.items() for k in keys if "preflight-" in str(k)}
+            if len(ranks) == 2:
+                seen = seen or time.monotonic()
+                w = ranks.get(f"r{rank}")
+                if time.monotonic() - seen >= after and w in pids:
+                    os.kill(pids[w], signal.SIGKILL)
+                    killed.append((w, time.monotonic()))
+                    return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_worker_lost_mid_sweep_fails_it_fast_and_the_next_sweep_runs(client):
+    """Rank 1's worker killed mid-sweep: its task stays pinned to an address that is gone, yet the
+    sweep raises SweepFailed within seconds (not after timeout_s + 60), and leaves no survivor
+    busy: a sweep right after runs on the trainer workers there are then."""
+    timeout_s = 120.0
+    killed = []
+    _kill_rank_during_sweep(client, 1, killed)
+    with pytest.raises(Exception) as err:  # its type is checked below, after the clock
+        preflight.run_preflight(client, sizes=preflight.DEFAULT_SIZES, timeout_s=timeout_s)
+    assert killed, "no trainer worker was killed (the sweep ended before the fault)"
+    took = time.monotonic() - killed[0][1]
+    assert took < 30.0 < timeout_s, f"the sweep raised {took:.1f}s after its worker died"
+    assert isinstance(err.value, preflight.SweepFailed), err.value
+    back = cl.wait_for_role(client, cl.TRAINER, 2)
+    assert killed[0][0] not in back  # the nanny brought the worker back under a new address
+    res = preflight.run_preflight(client, back[:2], sizes=SIZES[:1], timeout_s=60)
+    assert res.world_size == 2 and res.workers == back[:2]
+
+
+def test_a_rank_pinned_to_a_departed_worker_fails_the_sweep_fast(client):
+    """A lost worker as the sweep sees it before its peer notices: rank 1 pinned to an address no
+    worker has (its task never runs), rank 0 waiting for it in the rendezvous. SweepFailed comes
+    within seconds, not after timeout_s + 60, and rank 0's worker, stuck in the rendezvous, is
+    restarted rather than left busy until timeout_s: a sweep right after runs."""
+    timeout_s = 120.0
+    w0 = cl.workers_with(client, cl.TRAINER)[0]
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as err:  # its type is checked below, after the clock
+        preflight.run_preflight(client, [w0, "tcp://127.0.0.1:9"], sizes=SIZES[:1], timeout_s=timeout_s)
+    took = time.monotonic() - t0
+    assert took < 45.0 < timeout_s, f"the sweep raised after {took:.1f}s"
+    assert isinstance(err.value, preflight.SweepFailed), err.value
+    back = cl.wait_for_role(client, cl.TRAINER, 2)
+    assert w0 not in back  # restarted by its nanny
+    res = preflight.run_preflight(client, back[:2], sizes=SIZES[:1], timeout_s=60)
+    assert res.world_size == 2 and res.workers == back[:2]
+
+
+def test_run_reforms_the_gang_when_a_rank_dies_in_the_sweep(tmp_path, client):
+    cfg = config.profile("tiny", engine="hf", iterations=2, eval_every=0, eval_size=8, prompts_per_step=2,
+                         group_size=2, max_new_tokens=8, world_size=2, collective_timeout_s=30,
+                         preflight_sizes="1K:256M", run_dir=str(tmp_path / "run"))
+    killed = []
+    _kill_rank_during_sweep(client, 1, killed)
+    res = loop.run(cfg, client=client, progress=False)
+    assert killed, "no trainer worker was killed during the sweep"
+    assert [r["iteration"] for r in res.records] == [0, 1]
+    assert res.summary["gang_restarts"] >= 1 and res.records[0]["gang_restarts"] >= 1
+    fabric = res.summary["preflight"]
+    assert fabric["world_size"] == 2 and fabric["sizes"] == preflight.parse_sizes("1K:256M") and fabric["ok"]
+    assert AdapterStore(cfg.run.store_root).versions() == [1, 2]
+    cl.wait_for_role(client, cl.TRAINER, 2)
