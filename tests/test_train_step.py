@@ -113,7 +113,8 @@ def make_batch(n: int, seed: int, zero_adv: range = range(0), group: int = 1) ->
 def episode_samples(n: int, seed: int, zero_adv: range = range(0), group: int = 1) -> list[tuple]:
     """``n`` random multi-turn samples ``(prompt, completion, logprobs, adv, mask)``: model turns
     (mask 1) and environment segments between them (mask 0, log-prob 0.0, as an Episode holds), of
-    random lengths; rows of one group share a prompt. Row 1 is a single model turn (no hole)."""
+    random lengths; rows of one group share a prompt. Row 1 is a single model turn (no hole), the others
+    have 2 or 3."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(k):
@@ -123,7 +124,7 @@ def episode_samples(n: int, seed: int, zero_adv: range = range(0), group: int = 
     for i in range(n):
         prompt = torch.randint(1, VOCAB, (rand(5),), generator=g).tolist() if i % group == 0 else samples[-1][0]
         mask = []
-        for turn in range(1 if i == 1 else rand(4)):
+        for turn in range(1 if i == 1 else 1 + rand(3)):  # 2 or 3 turns
             if turn:
                 mask += [0] * rand(4)  # the environment's answer and the next turn's header
             mask += [1] * rand(5)
@@ -578,13 +579,15 @@ class Case:
     max_len: int | None = None
     steps: int = 1
     adamw: bool = False
+    episodes: bool = False  # multi-turn rows with environment holes (make_episode_batch)
 
     def batches(self, world_size: int) -> list[TrainBatch]:
         zero = range(0)
         if self.zero_adv_rank is not None:
             zero = range(*shard_bounds(self.n, self.zero_adv_rank, world_size, self.shard_sizes))
         # groups of 3 share a prompt, so groups straddle shard and micro-batch edges
-        return [make_batch(self.n, seed=100 + s, zero_adv=zero, group=3) for s in range(self.steps)]
+        make = make_episode_batch if self.episodes else make_batch
+        return [make(self.n, seed=100 + s, zero_adv=zero, group=3) for s in range(self.steps)]
 
 
 KL = LossConfig(kl_beta=0.05)
@@ -751,6 +754,69 @@ def test_ddp_step_matches_single_process(world_size, ddp_results):
             assert 0 < rank0["samples_nonzero_adv"] < case.n
             # without the KL term the zero-advantage rank skipped its whole shard (and still synced)
             assert (rank0["tokens_trained"] < rank0["tokens"]) == (case.loss.kl_beta == 0)
+
+
+EPISODE_CASES = [
+    Case("grpo_episodes_shared_prompt", KL, OptimConfig(micro_batch=2, max_grad_norm=10.0, share_prompt=True), n=7,
+         shard_sizes=(2, 5), steps=2, episodes=True),
+    Case("dapo_episodes_zero_adv_no_kl", LossConfig(loss_type="dapo", kl_beta=0.0, clip_eps_high=0.28),
+         OptimConfig(micro_batch=3, max_grad_norm=10.0), n=6, zero_adv_rank=0, episodes=True),
+    # max_len None: the longest row's model tokens, all-reduced with MAX
+    Case("dr_grpo_episodes_trainer_sequence_mask",
+         replace(KL, loss_type="dr_grpo", old_logp_source="trainer", importance_sampling_mode="sequence_mask",
+                 importance_sampling_cap=2.0),
+         OptimConfig(micro_batch=2, max_grad_norm=10.0, share_prompt=True), n=6, shard_sizes=(4, 2), episodes=True),
+    Case("dapo_episodes_empty_rank_sequence_truncate",
+         replace(KL, loss_type="dapo", old_logp_source="trainer", importance_sampling_mode="sequence_truncate",
+                 importance_sampling_cap=1.5),
+         OptimConfig(micro_batch=2, max_grad_norm=10.0), n=5, shard_sizes=(0, 5), episodes=True),
+]
+
+
+def _episode_worker(rank: int, port: int, out_dir: str) -> None:
+    """:data:`EPISODE_CASES` at world size 2."""
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        _float64_norms()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        CASES[2], saved = EPISODE_CASES, CASES[2]  # _run_cases runs CASES[world_size]
+        try:
+            results = _run_cases(rank, 2, None)
+        finally:
+            CASES[2] = saved
+        torch.save(results, out / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_ddp_step_on_episodes_matches_single_process(tmp_path):
+    """Uneven episode lengths and hole patterns across two real gloo ranks (one empty, one whose rows
+    all have advantage 0): the update and the stats are the single-process reference's, which scores
+    the whole stream and keeps the model tokens by the mask."""
+    results = spawn_ranks(2, tmp_path, target=_episode_worker)
+    for case in EPISODE_CASES:
+        batches = case.batches(2)
+        for batch in batches:  # each non-empty shard holds environment holes
+            for rank in range(2):
+                lo, hi = shard_bounds(len(batch), rank, 2, case.shard_sizes)
+                assert hi == lo or env_positions(batch[lo:hi]).any(), case.name
+        want_delta, want_stats = _reference_step(batches, case.loss, case.optim, case.max_len, case.adamw,
+                                                 score_all=True)
+        rank0 = results[0][case.name][1]
+        for res in results:
+            delta, stats = res[case.name]
+            assert _rel_err(delta, want_delta) <= 1e-10, (case.name, _rel_err(delta, want_delta))
+            assert stats == rank0 or all(stats[k] == rank0[k] or math.isnan(rank0[k] or 0.0) for k in stats)
+        _assert_stats_close(rank0, want_stats, rel=1e-9)
+        last = batches[-1]
+        assert rank0["tokens"] == int(last.completion_mask.sum()) < int(stream_mask(last).sum())
+        if case.zero_adv_rank is not None:
+            assert rank0["tokens_trained"] < rank0["tokens"]
 
 
 class Routed(nn.Module):
