@@ -67,7 +67,7 @@ from grpo_kit.loss import LossStats, Normalizer, grpo_loss
 
 
 class Sample(NamedTuple):
-    """One completion as the trainer needs it (a plain 4-tuple works as well)."""
+    """One completion as the trainer needs it (a plain 4- or 5-tuple works as well)."""
 
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
