@@ -187,6 +187,22 @@ def test_episodes_train_on_their_model_tokens_only(tiny_engine, share_prompt):
     assert twin_stats == stats
 
 
+def test_to_rollout_keeps_the_stream_and_its_mask():
+    ep = Episode("p1", 2, 1, 3, 99, 4, "7", prompt_ids=[5, 6], completion_ids=[7, 8, 9, 10], mask=[1, 0, 0, 1],
+                 logprobs=[-0.5, 0.0, 0.0, -0.25], messages=[{"role": "user", "content": "q"},
+                 {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"},
+                 {"role": "assistant", "content": "final"}], end_reason="answered", env_reward=2.0)
+    r = to_rollout(ep)
+    assert (r.prompt_ids, r.completion_ids, r.logprobs, r.mask) == (ep.prompt_ids, ep.completion_ids, ep.logprobs, ep.mask)
+    assert (r.prompt_id, r.group_id, r.sample_idx, r.iteration, r.version, r.gold) == ("p1", 2, 1, 3, 4, "7")
+    assert (r.text, r.reward, r.finish_reason) == ("final", 2.0, "stop")
+    assert to_rollout(dataclasses.replace(ep, end_reason="budget")).finish_reason == "length"
+    with pytest.raises(ValueError, match="still running"):
+        to_rollout(dataclasses.replace(ep, end_reason=None))
+    with pytest.raises(ValueError, match="length"):
+        to_rollout(dataclasses.replace(ep, mask=[1, 0, 1]))
+
+
 def test_episodes_reproduce_by_seed_alone(tiny_engine):
     runner = EpisodeRunner(tiny_engine, PlainRenderer(tiny_engine.tokenizer), environment_factory=Notes,
                            tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=2, max_turn_tokens=24, max_tokens=120))
