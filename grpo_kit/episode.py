@@ -40,7 +40,7 @@ from typing import Any, Protocol
 from . import data
 from .prompts import PromptFormat
 from .renderers import PrefixError, Renderer, decode
-from .rollout import Continuation
+from .rollout import Continuation, Rollout
 from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
 
 END_REASONS = ("answered", "max_turns", "budget", "error")
@@ -156,6 +156,26 @@ class Episode:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Episode:
         return cls(**{**d, "segments": [Segment(**s) for s in d["segments"]]})
+
+
+def to_rollout(ep: Episode) -> Rollout:
+    """The :class:`~grpo_kit.rollout.Rollout` the trainer takes for a finished episode: its whole stream
+    (``completion_ids``: model and environment ids), ``logprobs`` and ``mask``, so one forward scores the
+    stream and the loss covers the sampled ids only (:mod:`grpo_kit.train_step`). ``text`` is the last
+    assistant message (the final answer, for a text reward), ``reward`` the environment's
+    (:attr:`Episode.env_reward`, None without one), ``finish_reason`` ``"length"`` when the episode ran
+    out of budget (``"stop"`` otherwise)."""
+    if ep.end_reason is None:
+        raise ValueError(f"episode {ep.prompt_id!r}/{ep.sample_idx} is still running")
+    if not len(ep.completion_ids) == len(ep.mask) == len(ep.logprobs):
+        raise ValueError(f"episode {ep.prompt_id!r}/{ep.sample_idx}: completion_ids, mask and logprobs differ in length")
+    answers = [m["content"] for m in ep.messages if m.get("role") == "assistant"]
+    return Rollout(
+        prompt_id=ep.prompt_id, group_id=ep.group_id, sample_idx=ep.sample_idx, prompt_ids=list(ep.prompt_ids),
+        completion_ids=list(ep.completion_ids), logprobs=list(ep.logprobs), version=ep.version,
+        finish_reason="length" if ep.end_reason == "budget" else "stop", text=answers[-1] if answers else "",
+        gold=ep.gold, mask=list(ep.mask), reward=ep.env_reward, iteration=ep.iteration,
+    )
 
 
 def episode_seed(seed: int, iteration: int, group_id: int, sample_idx: int) -> int:

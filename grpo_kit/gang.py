@@ -130,7 +130,8 @@ def batch_of(groups: list[Group], group_size: int) -> RolloutBatch:
 
 
 def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: int, adv_scale: str) -> list[tuple]:
-    """The trainer's samples ``(prompt_ids, completion_ids, logprobs, adv)`` for ``picks``. The
+    """The trainer's samples ``(prompt_ids, completion_ids, logprobs, adv)`` for ``picks``, with the
+    rollout's ``mask`` appended where it has one (a multi-turn episode's: 0 on environment ids). The
     advantages come from the rewards in ``scored``, as the driver computes them for its records:
     tokens and rewards always come from the same computation, even if Dask had to recompute a chunk
     whose worker died after the driver read its summary.
@@ -138,11 +139,15 @@ def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: 
     >>> chunk = {"rollouts": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-0.5], "reward": r} for r in (1.0, 0.0)]}
     >>> batch_samples([chunk], [(0, 1), (0, 0)], 2, "none")
     [([1], [2], [-0.5], -0.5), ([1], [2], [-0.5], 0.5)]
+    >>> chunk["rollouts"][0]["mask"] = [1]
+    >>> batch_samples([chunk], [(0, 0), (0, 1)], 2, "none")
+    [([1], [2], [-0.5], 0.5, [1]), ([1], [2], [-0.5], -0.5)]
     """
     rows = [scored[c]["rollouts"][i] for c, i in picks]
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     adv = group_advantages(rewards, group_size, scale=adv_scale).tolist() if rows else []
-    return [(r["prompt_ids"], r["completion_ids"], r["logprobs"], a) for r, a in zip(rows, adv, strict=True)]
+    return [(r["prompt_ids"], r["completion_ids"], r["logprobs"], a) + ((r["mask"],) if r.get("mask") is not None else ())
+            for r, a in zip(rows, adv, strict=True)]
 
 
 def train_rank_on(spec: RankSpec, scored: list[dict], picks: list[tuple[int, int]], group_size: int, version: int,

@@ -94,15 +94,22 @@ class Rollout(Scored):
     """Decoded completion, without the stop token or stop string and without special tokens."""
     gold: str | None
     """The problem's gold answer, carried along for the reward."""
+    mask: list[int] | None = None
+    """Per completion id: 1 sampled by the policy (trained on), 0 environment/template ids of a
+    multi-turn episode (read, not trained on; see :func:`grpo_kit.episode.to_rollout`). None: all 1.
+    Serialized only when set, so single-turn records are unchanged."""
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
+        if d["mask"] is None:
+            del d["mask"]
         for k in TOKEN_FIELDS:
-            d[k] = list(d[k])
+            if k in d:
+                d[k] = list(d[k])
         return d
 
 
-TOKEN_FIELDS = ("prompt_ids", "completion_ids", "logprobs")
+TOKEN_FIELDS = ("prompt_ids", "completion_ids", "logprobs", "mask")
 """The :class:`Rollout` fields that make up its token payload (kept on the workers, see :class:`RolloutSummary`)."""
 
 

@@ -44,10 +44,11 @@ def policy(path, store, version: int):
 
 def dlogp(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
     """(N,) float64: the trainer's recomputed log-prob minus the sampling log-prob, over all
-    completion tokens of ``rollouts`` (``temperature`` scores the tempered distribution)."""
+    completion tokens of ``rollouts`` the policy sampled (``mask`` 1; ``temperature`` scores the tempered
+    distribution)."""
     from .train_step import collate, token_logprobs
 
-    batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0) for r in rollouts], pad_id=0)
+    batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0, r.mask) for r in rollouts], pad_id=0)
     with torch.no_grad():
         logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask,
                               temperature=temperature)

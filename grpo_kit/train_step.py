@@ -5,6 +5,13 @@ the value for token ``input_ids[:, t]``, predicted from positions ``< t``. Colum
 and is 0; prompts are non-empty, so it is never a completion token. ``completion_mask`` is therefore
 the loss mask as it is, and an engine's sampling log-probs go at the completion tokens' own columns.
 
+Scored and real tokens: ``attention_mask`` marks the real tokens (prompt and the whole completion
+side), ``completion_mask`` the scored ones, the tokens the policy sampled. For a single-turn
+completion they coincide after the prompt; a multi-turn episode (:mod:`grpo_kit.episode`) has holes
+in its completion: environment and template ids, real (attention 1) but not scored (mask 0). The
+stream is scored in one forward, and the loss, its normalizers and every statistic cover the scored
+tokens only (:func:`grpo_kit.loss.grpo_loss` reads nothing off its mask).
+
 Shared prompts: with ``OptimConfig.share_prompt`` the step's forwards use
 :func:`shared_prompt_logprobs`, which runs each group's prompt once and its completions on the
 prompt's key/value cache; values and gradients equal :func:`token_logprobs`'s up to float rounding.
@@ -60,13 +67,16 @@ from grpo_kit.loss import LossStats, Normalizer, grpo_loss
 
 
 class Sample(NamedTuple):
-    """One completion as the trainer needs it (a plain 4-tuple works as well)."""
+    """One completion as the trainer needs it (a plain 4- or 5-tuple works as well)."""
 
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     completion_logprobs: Sequence[float]
     """Sampling log-prob of each completion token (same length as ``completion_ids``)."""
     adv: float
+    mask: Sequence[int] | None = None
+    """Per completion token: 1 sampled by the policy (scored), 0 environment/template (read by the
+    model, not scored); None: all 1 (a single-turn completion)."""
 
 
 @dataclass(frozen=True)
@@ -78,9 +88,10 @@ class TrainBatch:
     attention_mask: Tensor
     """(B, T) 1 on prompt and completion tokens."""
     completion_mask: Tensor
-    """(B, T) 1 on completion tokens: the loss mask."""
+    """(B, T) 1 on the completion tokens the policy sampled: the loss mask (0 on the prompt, on
+    environment tokens inside a completion, and on padding)."""
     old_logp: Tensor
-    """(B, T) sampling log-probs on completion tokens, 0 elsewhere."""
+    """(B, T) sampling log-probs where ``completion_mask`` is 1, 0 elsewhere."""
     adv: Tensor
     """(B,) advantages."""
 
@@ -102,7 +113,9 @@ class TrainBatch:
 
 def collate(samples: Sequence[Sample | tuple], pad_id: int, dtype: torch.dtype = torch.float32) -> TrainBatch:
     """Build a right-padded :class:`TrainBatch` from ``(prompt_ids, completion_ids,
-    completion_logprobs, adv)`` samples, keeping the token ids exactly as sampled."""
+    completion_logprobs, adv[, mask])`` samples, keeping the token ids exactly as sampled. A
+    sample's ``mask`` (None: all 1) becomes its row of ``completion_mask``; its log-probs are kept
+    where the mask is 1 only."""
     samples = [Sample(*s) for s in samples]
     width = max((len(s.prompt_ids) + len(s.completion_ids) for s in samples), default=0)
     B = len(samples)
@@ -118,10 +131,13 @@ def collate(samples: Sequence[Sample | tuple], pad_id: int, dtype: torch.dtype =
                 f"sample {i}: {len(s.completion_ids)} completion ids but {len(s.completion_logprobs)} log-probs"
             )
         p, n = len(s.prompt_ids), len(s.prompt_ids) + len(s.completion_ids)
+        scored = torch.ones(n - p, dtype=torch.long) if s.mask is None else torch.tensor(list(s.mask), dtype=torch.long)
+        if scored.shape != (n - p,) or not bool(((scored == 0) | (scored == 1)).all()):
+            raise ValueError(f"sample {i}: the mask must be 0/1, one per completion id ({n - p}); got {list(s.mask)}")
         input_ids[i, :n] = torch.tensor([*s.prompt_ids, *s.completion_ids], dtype=torch.long)
         attention_mask[i, :n] = 1
-        completion_mask[i, p:n] = 1
-        old_logp[i, p:n] = torch.tensor(list(s.completion_logprobs), dtype=dtype)
+        completion_mask[i, p:n] = scored
+        old_logp[i, p:n] = torch.tensor(list(s.completion_logprobs), dtype=dtype).where(scored.bool(), 0.0)  # 0 off the mask
     adv = torch.tensor([float(s.adv) for s in samples], dtype=dtype)
     return TrainBatch(input_ids, attention_mask, completion_mask, old_logp, adv)
 
@@ -142,9 +158,10 @@ def token_logprobs(
     so the float32 copy of the vocab-wide logits exists once, for completion rows only.
     ``temperature`` scores the tempered distribution ``softmax(logits / temperature)``, the one the
     engines sample from and record log-probs of (TRL divides its logits the same way).
+    ``completion_mask`` may have holes (real tokens not scored: an episode's environment ids); it
+    must not be set on padding (``attention_mask`` 0).
     """
-    if completion_mask[:, :1].any():
-        raise ValueError("completion_mask is set at column 0, which has no prediction; prompts must be non-empty")
+    check_masks(attention_mask, completion_mask)
     B, T = input_ids.shape
     m = completion_mask[:, 1:].bool()  # (B, T-1) completion tokens at columns 1..T-1
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
@@ -153,6 +170,15 @@ def token_logprobs(
     vals = _rows_logprobs(rows, input_ids[:, 1:][m], chunk, temperature)  # (N,)
     logp = vals.new_zeros((B, T - 1)).masked_scatter(m, vals)  # (B, T-1)
     return F.pad(logp, (1, 0))  # (B, T)
+
+
+def check_masks(attention_mask: Tensor, completion_mask: Tensor) -> None:
+    """Reject a ``completion_mask`` set at column 0 (no prediction) or on padding (``attention_mask`` 0)."""
+    if completion_mask[:, :1].any():
+        raise ValueError("completion_mask is set at column 0, which has no prediction; prompts must be non-empty")
+    if (completion_mask.bool() & ~attention_mask.bool()).any():
+        raise ValueError("completion_mask is set on padding (attention_mask 0): rows must be right-padded prompt + "
+                         "completion (train_step.collate)")
 
 
 def _rows_logprobs(rows: Tensor, targets: Tensor, chunk: int, temperature: float = 1.0) -> Tensor:
@@ -186,21 +212,26 @@ def shared_prompt_logprobs(
     ``use_cache=True``); their key/value cache is indexed out to the ``B`` rows
     (``Cache.batch_select_indices``, differentiable), and the completions run on top of it with
     explicit positions. Gradients flow through the cache into the prompt forward, so the LoRA
-    gradient is that of the full forward. Rows must be right-padded ``prompt + completion``
-    (:func:`collate`); rows whose prompts differ simply form runs of one.
+    gradient is that of the full forward. Rows must be right-padded (``attention_mask`` a run of 1s
+    from column 0, :func:`collate`); a row's shared prefix is everything before its first scored
+    token (its prompt: a completion begins with a sampled token), and everything after it, scored
+    or not (an episode's environment ids), runs on the cache. Rows whose prefixes differ simply
+    form runs of one.
     """
-    if completion_mask[:, :1].any():
-        raise ValueError("completion_mask is set at column 0, which has no prediction; prompts must be non-empty")
+    check_masks(attention_mask, completion_mask)
     B, T = input_ids.shape
     device = input_ids.device
-    comp_len = completion_mask.sum(dim=1)  # (B,)
-    seq_len = attention_mask.sum(dim=1)  # (B,)
-    prompt_len = seq_len - comp_len  # (B,) completions follow their prompt (collate's layout)
-    if B == 0 or int(comp_len.max()) == 0:  # nothing to share; the plain forward keeps the graph (and DDP) as is
+    scored = completion_mask.bool()  # (B, T)
+    seq_len = attention_mask.sum(dim=1)  # (B,) real tokens
+    if B == 0 or not bool(scored.any()):  # nothing to share; the plain forward keeps the graph (and DDP) as is
         return token_logprobs(model, input_ids, attention_mask, completion_mask, chunk=chunk, temperature=temperature)
     cols = torch.arange(T, device=device)
-    want = (cols[None] >= prompt_len[:, None]) & (cols[None] < seq_len[:, None])
-    if not torch.equal(want.to(completion_mask.dtype), completion_mask) or (prompt_len < 1).any():
+    if not torch.equal((cols[None] < seq_len[:, None]).to(attention_mask.dtype), attention_mask):
+        raise ValueError("shared_prompt_logprobs needs right-padded rows of prompt then completion (train_step.collate)")
+    has = scored.any(dim=1)  # (B,)
+    prompt_len = torch.where(has, scored.long().argmax(dim=1), seq_len)  # (B,) first scored column, or all
+    comp_len = seq_len - prompt_len  # (B,) real tokens from the first scored one on
+    if (prompt_len < 1).any():
         raise ValueError("shared_prompt_logprobs needs right-padded rows of prompt then completion (train_step.collate)")
 
     # runs of consecutive rows with the same prompt
@@ -224,14 +255,14 @@ def shared_prompt_logprobs(
 
     Lc = int(comp_len.max())
     c_cols = prompt_len[:, None] + torch.arange(Lc, device=device)[None]  # (B, Lc) columns in input_ids
-    c_mask = torch.arange(Lc, device=device)[None] < comp_len[:, None]  # (B, Lc)
-    c_ids = input_ids.gather(1, c_cols.clamp(max=T - 1)) * c_mask  # (B, Lc), 0 at padding
-    mask = torch.cat([p_mask[run], c_mask.to(attention_mask.dtype)], dim=1)  # (B, Lp + Lc)
+    c_real = torch.arange(Lc, device=device)[None] < comp_len[:, None]  # (B, Lc) real tokens (attended)
+    c_ids = input_ids.gather(1, c_cols.clamp(max=T - 1)) * c_real  # (B, Lc), 0 at padding
+    c_scored = scored.gather(1, c_cols.clamp(max=T - 1)) & c_real  # (B, Lc) scored tokens; column 0 where has
+    mask = torch.cat([p_mask[run], c_real.to(attention_mask.dtype)], dim=1)  # (B, Lp + Lc)
     logits = model(input_ids=c_ids, attention_mask=mask, position_ids=c_cols, past_key_values=cache,
                    use_cache=False).logits  # (B, Lc, V)
-    has = comp_len > 0  # (B,)
-    first = _rows_logprobs(last[run[has]], c_ids[has, 0], chunk, temperature)  # (B0,) completion token 0
-    m = c_mask[:, 1:]  # (B, Lc-1) completion tokens 1.. predicted by completion positions 0..
+    first = _rows_logprobs(last[run[has]], c_ids[has, 0], chunk, temperature)  # (B0,) the first scored token
+    m = c_scored[:, 1:]  # (B, Lc-1) scored tokens after it, predicted by completion positions 0..
     rest = _rows_logprobs(logits[:, :-1][m], c_ids[:, 1:][m], chunk, temperature)  # (N - B0,)
     del logits
     r0 = has.nonzero().squeeze(1)
@@ -293,11 +324,13 @@ def grpo_step(
     :func:`wrap_ddp` around one. ``max_len`` is dr_grpo's constant (pass the completion budget,
     ``max_new_tokens``); None takes the longest completion in the batch. ``temperature`` is the
     sampling temperature: the policy and the KL reference are scored tempered
-    (:func:`token_logprobs`), as the engines' sampling log-probs are. Returns stats that are
+    (:func:`token_logprobs`), as the engines' sampling log-probs are. Completion tokens are the
+    scored ones (``completion_mask``; an episode's environment ids are not): the normalizers, the
+    ratio, clip, KL and weight, and the stats cover them only. Returns stats that are
     all-reduced and identical on every rank: ``loss``, ``ratio_mean/std/min/max``,
     ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``is_mean/min/max/capped_frac`` (the
     engine-mismatch weight with ``old_logp_source="trainer"``; None otherwise), ``grad_norm`` (before clipping),
-    ``tokens`` (the batch's completion tokens), ``tokens_trained`` (those of the rows trained: fewer
+    ``tokens`` (the batch's scored completion tokens), ``tokens_trained`` (those of the rows trained: fewer
     when ``kl_beta == 0`` skips rows with advantage 0), ``samples``, ``samples_nonzero_adv``.
     """
     distributed = isinstance(model, DDP)

@@ -3,7 +3,9 @@ TRL-shaped environments, stopping rules, seeds, and tools that do not hold other
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import threading
 import time
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from grpo_kit import data, models, tiny
-from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed
+from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed, to_rollout
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation, HFEngine
 from grpo_kit.testing import assert_aligned, policy
@@ -131,6 +133,74 @@ def test_tiny_stream_is_exact_and_aligned_with_the_trainer(tiny_engine):
         # one environment per episode: its reward counts only its own calls
         assert ep.env_reward == ep.tool_calls and ep.tool_calls in (ep.turns - 1, ep.turns)
     assert_aligned(teacher_forced(policy(tiny_engine.model_path, None, 0), eps), min_tokens=300)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_episodes_train_on_their_model_tokens_only(tiny_engine, share_prompt):
+    """Episodes -> Rollouts -> the gang's samples -> one grpo_step on the real tiny model: the whole
+    stream is scored in one forward, the on-policy ratio over the model tokens is 1 within the
+    alignment tolerance, and the environment tokens' old log-probs (whatever they hold) change nothing."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from grpo_kit.config import LossConfig, OptimConfig
+    from grpo_kit.gang import batch_samples
+    from grpo_kit.testing import LLAMA_TARGETS
+    from grpo_kit.train_step import collate, grpo_step, make_optimizer
+
+    runner = EpisodeRunner(tiny_engine, PlainRenderer(tiny_engine.tokenizer), environment_factory=Notes,
+                           tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+    eps = runner.run(data.synthetic_problems(3, split="train", seed=0), 3, seed=4, iteration=2)
+    rollouts = [to_rollout(e) for e in eps]
+    assert all(r.mask == e.mask and r.completion_ids == e.completion_ids for r, e in zip(rollouts, eps, strict=True))
+    assert sum(0 in r.mask for r in rollouts) >= 3  # most episodes have environment holes
+    # rewards with spread in every group (the sample index): every row has an advantage
+    chunk = {"rollouts": [{**r.to_dict(), "reward": float(r.sample_idx)} for r in rollouts]}
+    samples = batch_samples([chunk], [(0, i) for i in range(len(rollouts))], 3, "group")
+    batch = collate(samples, pad_id=0)
+    env = batch.attention_mask.bool() & ~batch.completion_mask.bool()  # (B, T) env ids: real, after the prompt, not scored
+    for i, r in enumerate(rollouts):
+        env[i, : len(r.prompt_ids)] = False
+    assert int(env.sum()) == sum(len(r.mask) - sum(r.mask) for r in rollouts) > 0
+
+    torch.manual_seed(0)
+    base = policy(tiny_engine.model_path, None, 0)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(LLAMA_TARGETS), lora_dropout=0.0))
+    twin = copy.deepcopy(model)  # LoRA B = 0: the policy is the base model that sampled the episodes
+    loss_cfg, optim_cfg = LossConfig(), OptimConfig(lr=1e-3, micro_batch=4, share_prompt=share_prompt)
+
+    def step(m, b):
+        before = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+        stats = grpo_step(m, make_optimizer(m, optim_cfg), b, loss_cfg, optim_cfg)
+        return {n: p.detach() - before[n] for n, p in m.named_parameters() if p.requires_grad}, stats
+
+    delta, stats = step(model, batch)
+    assert stats["tokens"] == stats["tokens_trained"] == sum(e.sampled_tokens for e in eps)
+    assert abs(stats["ratio_mean"] - 1) <= 1e-4
+    assert max(abs(math.log(stats["ratio_min"])), abs(math.log(stats["ratio_max"]))) <= 1e-3  # max |dlogp|
+    assert stats["grad_norm"] > 0 and any(v.abs().sum() > 0 for v in delta.values())
+    old = batch.old_logp.clone()
+    old[env] = torch.linspace(-30.0, 5.0, int(env.sum()))  # any values: far from the policy's
+    twin_delta, twin_stats = step(twin, dataclasses.replace(batch, old_logp=old))
+    assert all(torch.equal(twin_delta[n], delta[n]) for n in delta)
+    assert twin_stats == stats
+
+
+def test_to_rollout_keeps_the_stream_and_its_mask():
+    ep = Episode("p1", 2, 1, 3, 99, 4, "7", prompt_ids=[5, 6], completion_ids=[7, 8, 9, 10], mask=[1, 0, 0, 1],
+                 logprobs=[-0.5, 0.0, 0.0, -0.25], messages=[{"role": "user", "content": "q"},
+                 {"role": "assistant", "content": "a"}, {"role": "tool", "content": "t"},
+                 {"role": "assistant", "content": "final"}], end_reason="answered", env_reward=2.0)
+    r = to_rollout(ep)
+    assert (r.prompt_ids, r.completion_ids, r.logprobs, r.mask) == (ep.prompt_ids, ep.completion_ids, ep.logprobs, ep.mask)
+    assert (r.prompt_id, r.group_id, r.sample_idx, r.iteration, r.version, r.gold) == ("p1", 2, 1, 3, 4, "7")
+    assert (r.text, r.reward, r.finish_reason) == ("final", 2.0, "stop")
+    assert to_rollout(dataclasses.replace(ep, end_reason="budget")).finish_reason == "length"
+    with pytest.raises(ValueError, match="still running"):
+        to_rollout(dataclasses.replace(ep, end_reason=None))
+    with pytest.raises(ValueError, match="length"):
+        to_rollout(dataclasses.replace(ep, mask=[1, 0, 1]))
 
 
 def test_episodes_reproduce_by_seed_alone(tiny_engine):

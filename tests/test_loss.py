@@ -384,3 +384,66 @@ def test_dr_grpo_max_len_is_a_constant():
     a, _ = grpo_loss(logp, old_logp, None, adv, mask, loss_type="dr_grpo")
     b, _ = grpo_loss(logp, old_logp, None, adv, mask, loss_type="dr_grpo", norm=Normalizer(B, 0, 4 * T))
     assert b.item() == pytest.approx(a.item() / 4, rel=1e-12)
+
+
+# ---------------------------------------------------------------- episode masks (holes of environment tokens)
+
+
+def _episode_case():
+    """Two episodes laid out as the trainer sees them: prompt (mask 0), model tokens (1), environment
+    tokens (0, real tokens between model turns), model tokens, padding. Every position off the mask
+    holds a ratio far outside the clip (e^3), so any of them counted would move every figure."""
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0],  # 3 model tokens, 2 env tokens between them
+                         [0, 0, 1, 0, 0, 0, 1]])  # 2 model tokens, 3 env tokens
+    ratios = {(0, 1): 1.1, (0, 2): 0.9, (0, 5): 1.05, (1, 2): 0.95, (1, 6): 1.15}  # inside the clip (0.2)
+    logp = torch.full((2, 7), 3.0, dtype=f64)
+    for (i, t), r in ratios.items():
+        logp[i, t] = math.log(r)
+    return logp, torch.zeros(2, 7, dtype=f64), torch.tensor([2.0, -1.0], dtype=f64), mask, ratios
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_normalizers_count_model_tokens_only(loss_type):
+    """grpo: each episode's sum over its own model tokens (3 and 2, not its 5 and 5 completion-side
+    tokens); dapo: the batch's 5 model tokens; dr_grpo: its constant (B * max_len), whatever the holes."""
+    logp, old, adv, mask, ratios = _episode_case()
+    tok = {k: -r * float(adv[k[0]]) for k, r in ratios.items()}  # per-token loss: -ratio * adv (no clip)
+    row = [[v for (i, _), v in tok.items() if i == b] for b in (0, 1)]
+    want = {"grpo": (sum(row[0]) / 3 + sum(row[1]) / 2) / 2, "dapo": sum(tok.values()) / 5,
+            "dr_grpo": sum(tok.values()) / (2 * 7)}[loss_type]
+    loss, st = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, loss_type=loss_type)
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    s = st.summary()
+    assert s["tokens"] == 5 and s["clip_frac"] == 0
+    assert s["ratio_mean"] == pytest.approx(sum(ratios.values()) / 5, rel=1e-12)
+    assert (s["ratio_min"], s["ratio_max"]) == (pytest.approx(0.9), pytest.approx(1.15))
+    # the global normalizer of a sharded step: dapo's token count, dr_grpo's constant, grpo's sequences
+    norm = Normalizer(num_seqs=4, num_tokens=10, max_len=16)
+    got, _ = grpo_loss(logp, old, None, adv, mask, clip_eps=0.2, loss_type=loss_type, norm=norm)
+    want_norm = {"grpo": want * 2 / 4, "dapo": sum(tok.values()) / 10, "dr_grpo": sum(tok.values()) / (4 * 16)}
+    assert got.item() == pytest.approx(want_norm[loss_type], rel=1e-12)
+
+
+@pytest.mark.parametrize("is_mode", ["sequence_mask", "sequence_truncate"])
+def test_sequence_weight_sums_over_model_tokens_only(is_mode):
+    """The per-sequence engine-mismatch weight is exp(sum over the episode's model tokens): the env
+    tokens' (garbage here, which would push every weight over the cap) take no part."""
+    logp, _, adv, mask, ratios = _episode_case()
+    old = logp.detach().clone()  # the trainer's own log-probs: ratio 1 everywhere
+    sampling = torch.full((2, 7), -50.0, dtype=f64)  # off the mask: log-weights of +50 each
+    d = {(0, 1): 0.1, (0, 2): 0.2, (0, 5): -0.1, (1, 2): 0.9, (1, 6): 0.5}  # old - sampling on model tokens
+    for (i, t), v in d.items():
+        sampling[i, t] = old[i, t] - v
+    cap = 1.5
+    w = [math.exp(0.2), math.exp(1.4)]  # 1.22 under the cap; 4.06 over it
+    kept = [w[0], min(w[1], cap) if is_mode == "sequence_truncate" else 0.0]
+    lp = logp.clone().requires_grad_()
+    loss, st = grpo_loss(lp, old, None, adv, mask, loss_type="dapo", sampling_logp=sampling, is_mode=is_mode,
+                         is_cap=cap)
+    want = -(3 * kept[0] * float(adv[0]) + 2 * kept[1] * float(adv[1])) / 5  # ratio 1: -w * adv per token
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    s = st.summary()
+    assert s["is_mean"] == pytest.approx((3 * w[0] + 2 * w[1]) / 5, rel=1e-12)
+    assert s["is_capped_frac"] == pytest.approx(2 / 5) and s["is_max"] == pytest.approx(w[1], rel=1e-12)
+    g = torch.autograd.grad(loss, lp)[0]
+    assert (g[~mask.bool()] == 0).all() and (g[mask.bool()] != 0).sum() == (5 if is_mode == "sequence_truncate" else 3)

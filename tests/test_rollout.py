@@ -86,6 +86,22 @@ def test_summary_is_the_record_without_its_tokens():
         RolloutSummary.from_dict({**d, "completion_ids": [7, 1]})
 
 
+def test_rollout_mask_round_trip_and_old_records():
+    """A multi-turn rollout's mask survives the round trip; one without a mask serializes as before
+    (no key), and a record written before the field existed loads with mask None (all scored)."""
+    r = Rollout("add-1-2", 3, 1, [5, 6], [7, 1, 2, 9], [-0.5, 0.0, 0.0, -0.25], 2, "stop", "3", "3",
+                mask=[1, 0, 0, 1], reward=1.0)
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["mask"] == [1, 0, 0, 1] and Rollout.from_dict(d) == r
+    plain = Rollout("add-1-2", 3, 1, [5, 6], [7, 1], [-0.5, -0.25], 2, "stop", "#### 3", "3")
+    old = plain.to_dict()
+    assert "mask" not in old and Rollout.from_dict(old) == plain and Rollout.from_dict(old).mask is None
+    # the driver's summary drops the mask with the other token fields (its record is unchanged)
+    s = RolloutSummary.of(d)
+    assert "mask" not in s and RolloutSummary.from_dict(s).completion_tokens == 4
+    assert set(RolloutSummary.of(old)) == set(s)
+
+
 def test_group_seeds_are_distinct_and_stable():
     seeds = {group_seed(0, g) for g in range(1000)} | {group_seed(1, g) for g in range(1000)}
     assert len(seeds) == 2000

@@ -110,6 +110,47 @@ def make_batch(n: int, seed: int, zero_adv: range = range(0), group: int = 1) ->
     return collate(samples, pad_id=0, dtype=torch.float64)
 
 
+def episode_samples(n: int, seed: int, zero_adv: range = range(0), group: int = 1) -> list[tuple]:
+    """``n`` random multi-turn samples ``(prompt, completion, logprobs, adv, mask)``: model turns
+    (mask 1) and environment segments between them (mask 0, log-prob 0.0, as an Episode holds), of
+    random lengths; rows of one group share a prompt. Row 1 is a single model turn (no hole), the others
+    have 2 or 3."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(k):
+        return int(torch.randint(1, k, (1,), generator=g))
+
+    samples = []
+    for i in range(n):
+        prompt = torch.randint(1, VOCAB, (rand(5),), generator=g).tolist() if i % group == 0 else samples[-1][0]
+        mask = []
+        for turn in range(1 if i == 1 else 1 + rand(3)):  # 2 or 3 turns
+            if turn:
+                mask += [0] * rand(4)  # the environment's answer and the next turn's header
+            mask += [1] * rand(5)
+        completion = torch.randint(1, VOCAB, (len(mask),), generator=g).tolist()
+        old = [(-math.log(VOCAB) + 0.5 * float(torch.randn((), generator=g, dtype=torch.float64))) if m else 0.0
+               for m in mask]
+        adv = 0.0 if i in zero_adv else float(torch.randn((), generator=g, dtype=torch.float64))
+        samples.append((prompt, completion, old, adv, mask))
+    return samples
+
+
+def make_episode_batch(n: int, seed: int, zero_adv: range = range(0), group: int = 1) -> TrainBatch:
+    return collate(episode_samples(n, seed, zero_adv, group), pad_id=0, dtype=torch.float64)
+
+
+def stream_mask(batch: TrainBatch) -> torch.Tensor:
+    """(B, T) 1 on every completion-side token, model's and environment's (the real tokens after the prompt)."""
+    first = torch.where(batch.completion_mask.any(1), batch.completion_mask.argmax(1), batch.attention_mask.sum(1))
+    return batch.attention_mask * (torch.arange(batch.input_ids.shape[1])[None] >= first[:, None])
+
+
+def env_positions(batch: TrainBatch) -> torch.Tensor:
+    """(B, T) bool: the environment tokens (real, after the prompt, not scored)."""
+    return stream_mask(batch).bool() & ~batch.completion_mask.bool()
+
+
 # ---------------------------------------------------------------- world size 1
 
 
@@ -156,19 +197,23 @@ def test_token_logprobs_upcasts_half_logits_and_keeps_gradients():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
 
 
-def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False, temperature=1.0, build=None):
+def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False, temperature=1.0, build=None,
+                    score_all=False):
     """The plain single-process update(s): the whole batch in one forward, no sharding, no micro-batches
-    (on ``build()``'s model, default :func:`tiny_model`)."""
+    (on ``build()``'s model, default :func:`tiny_model`). ``score_all``: the log-probs of every
+    completion-side token (environment ones too, :func:`stream_mask`) are computed, and only the loss's
+    mask (``completion_mask``) keeps the model tokens out of them."""
     model = (build or tiny_model)()
     lp = functools.partial(token_logprobs, temperature=temperature)
     opt = make_optimizer(model, optim_cfg) if adamw else torch.optim.SGD(model.parameters(), lr=LR)
     before = lora_params(model)
     for batch in batches:
-        logp = lp(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        scored = stream_mask(batch) if score_all else batch.completion_mask
+        logp = lp(model, batch.input_ids, batch.attention_mask, scored)
         ref_logp = None
         if loss_cfg.kl_beta > 0:
             with torch.no_grad(), model.disable_adapter():
-                ref_logp = lp(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+                ref_logp = lp(model, batch.input_ids, batch.attention_mask, scored)
         norm = None
         if loss_cfg.loss_type == "dr_grpo":  # sum / (B * max_len), max_len the longest completion or given
             longest = int(batch.completion_mask.sum(dim=1).max())
@@ -362,6 +407,142 @@ def test_all_zero_advantage_batch_without_kl_does_no_work():
     assert all(torch.equal(v, before[k]) for k, v in lora_params(model).items())
 
 
+# ---------------------------------------------------------------- episode masks (environment tokens in the stream)
+
+
+def test_collate_episode_mask():
+    b = collate([([5], [7, 8, 9, 3], [-1.0, 0.0, 0.0, -3.0], 0.5, [1, 0, 0, 1]), ([4, 2], [6], [-2.0], 1.0)], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 7, 8, 9, 3], [4, 2, 6, 0, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]  # env ids are real tokens
+    assert b.completion_mask.tolist() == [[0, 1, 0, 0, 1], [0, 0, 1, 0, 0]]  # and not scored
+    assert b.old_logp.tolist() == [[0, -1.0, 0, 0, -3.0], [0, 0, -2.0, 0, 0]]
+    # log-probs off the mask are not kept, whatever they hold
+    junk = collate([([5], [7, 8], [-1.0, float("nan")], 0.5, [1, 0])], pad_id=0)
+    assert junk.old_logp.tolist() == [[0, -1.0, 0]]
+    for bad in ([1, 0, 1], [1, 2], [1]):
+        with pytest.raises(ValueError, match="mask"):
+            collate([([5], [7, 8], [-1.0, -1.0], 0.5, bad)], pad_id=0)
+    with pytest.raises(ValueError, match="padding"):  # a scored token the model cannot see
+        token_logprobs(tiny_model(), b.input_ids, b.attention_mask, b.completion_mask | torch.tensor([[0] * 5, [0, 0, 0, 1, 0]]))
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_masked_step_matches_the_whole_stream_scored_with_the_mask_applied(loss_type, share_prompt):
+    """Episodes with environment holes: the step equals a reference that scores every completion-side
+    token in one full forward and keeps the model tokens by the loss's mask only; the stats count the
+    model tokens."""
+    batch = make_episode_batch(7, seed=21, group=3)
+    env = env_positions(batch)
+    assert env.sum() >= 6 and (env.any(1)).sum() >= 4  # holes in most rows
+    loss_cfg = LossConfig(loss_type=loss_type, kl_beta=0.05, clip_eps_high=0.28)
+    optim_cfg = OptimConfig(micro_batch=3, max_grad_norm=10.0, share_prompt=share_prompt)
+    model = tiny_model()
+    before = lora_params(model)
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg)
+    delta = {k: v - before[k] for k, v in lora_params(model).items()}
+    want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, score_all=True)
+    assert _rel_err(delta, want_delta) < 1e-10
+    _assert_stats_close(stats, want_stats)
+    assert stats["tokens"] == int(batch.completion_mask.sum()) < int(stream_mask(batch).sum())
+    assert stats["clip_frac"] > 0 and stats["kl"] > 0
+    # the mask is what made it so: the same rows with every completion-side token scored differ
+    full = replace(batch, completion_mask=stream_mask(batch))
+    other = tiny_model()
+    grpo_step(other, torch.optim.SGD(other.parameters(), lr=LR), full, loss_cfg, optim_cfg)
+    assert _rel_err({k: v - before[k] for k, v in lora_params(other).items()}, want_delta) > 1e-3
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize(("loss_type", "old_source", "is_mode"),
+                         [("grpo", "engine", "sequence_mask"), ("dapo", "trainer", "sequence_mask"),
+                          ("dr_grpo", "trainer", "sequence_truncate")])
+def test_env_token_old_logprobs_change_nothing(loss_type, old_source, is_mode, share_prompt):
+    """Whatever the environment tokens' old (engine) log-probs hold, the update and the stats are
+    bit-identical, also where they feed the per-sequence mismatch weight; the model tokens' change both."""
+    batch = make_episode_batch(6, seed=23, group=2)
+    env = env_positions(batch)
+    loss_cfg = LossConfig(loss_type=loss_type, kl_beta=0.05, old_logp_source=old_source, importance_sampling_mode=is_mode,
+                          importance_sampling_cap=2.0)
+    optim_cfg = OptimConfig(micro_batch=4, max_grad_norm=10.0, share_prompt=share_prompt)
+
+    def step(b):
+        model = tiny_model()
+        before = lora_params(model)
+        stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), b, loss_cfg, optim_cfg)
+        return {k: v - before[k] for k, v in lora_params(model).items()}, stats
+
+    delta, stats = step(batch)
+    junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e4, -7.0], dtype=batch.old_logp.dtype)
+    old = batch.old_logp.clone()
+    old[env] = junk.repeat(int(env.sum()))[: int(env.sum())]
+    got_delta, got_stats = step(replace(batch, old_logp=old))
+    assert all(torch.equal(got_delta[k], delta[k]) for k in delta)
+    assert got_stats == stats
+    moved = batch.old_logp - 0.02 * batch.completion_mask  # the model tokens' (a capped row may hide one token's)
+    moved_delta, moved_stats = step(replace(batch, old_logp=moved))
+    assert _rel_err(moved_delta, delta) > 1e-6
+    assert moved_stats["is_mean" if old_source == "trainer" else "ratio_mean"] != stats[
+        "is_mean" if old_source == "trainer" else "ratio_mean"]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_zero_advantage_episodes_are_skipped(loss_type):
+    """kl_beta = 0: a group of episodes without reward spread never reaches the model; the update is
+    the plain one on the whole batch (its model tokens still in the normalizers)."""
+    batch = make_episode_batch(6, seed=24, zero_adv=range(0, 3), group=3)
+    loss_cfg = LossConfig(loss_type=loss_type, kl_beta=0.0)
+    optim_cfg = OptimConfig(micro_batch=4, max_grad_norm=10.0)
+    model = tiny_model()
+    seen = RowCounter(model)
+    before = lora_params(model)
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg)
+    delta = {k: v - before[k] for k, v in lora_params(model).items()}
+    want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, score_all=True)
+    assert _rel_err(delta, want_delta) < 1e-10
+    _assert_stats_close(stats, want_stats)
+    assert stats["tokens"] == int(batch.completion_mask.sum())
+    assert stats["tokens_trained"] == int(batch.completion_mask[3:].sum())
+    assert seen.rows == 3 + 1  # the second group's three rows, and its prompt once
+
+
+@pytest.mark.parametrize(("attn", "logprob_tol", "grad_tol"),
+                         [("sdpa", 1e-12, 1e-12), ("eager", FLOAT32_LOGPROB_TOL, 1e-6)])
+def test_shared_prompt_logprobs_on_episode_rows(attn, logprob_tol, grad_tol):
+    """Rows with environment holes: the shared prompt runs once per group and the values and
+    gradients equal the full forward's; holes on real tokens are legal, scored padding is not."""
+    model = tiny_model(attn=attn)
+    batch = make_episode_batch(10, seed=22, group=4)
+    assert env_positions(batch).sum() >= 6
+    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
+    outs, grads = [], []
+    for fn in (token_logprobs, shared_prompt_logprobs):
+        model.zero_grad()
+        seen = RowCounter(model)
+        out = fn(model, *args, chunk=5)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert seen.rows == 3 + 10  # 3 prompts (groups of 4, 4, 2) once, then the 10 rows on their caches
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=logprob_tol)
+    assert (outs[1][batch.completion_mask == 0] == 0).all()
+    assert _rel_err(grads[1], grads[0]) < grad_tol
+    # the environment tokens scored too (the whole stream): the model tokens' values are the same
+    whole = shared_prompt_logprobs(model, batch.input_ids, batch.attention_mask, stream_mask(batch))
+    torch.testing.assert_close(whole.detach() * batch.completion_mask, outs[0], rtol=1e-10, atol=logprob_tol)
+    assert (whole[env_positions(batch)] != 0).all()
+    pad = batch.completion_mask.clone()
+    pad[0, -1] = 1  # a scored token on padding (row 0 is shorter than the batch)
+    assert batch.attention_mask[0, -1] == 0
+    for fn in (token_logprobs, shared_prompt_logprobs):
+        with pytest.raises(ValueError, match="right-padded"):
+            fn(model, batch.input_ids, batch.attention_mask, pad)
+    left = batch.attention_mask.clone()
+    left[0, 0] = 0  # a left pad: not collate's layout
+    with pytest.raises(ValueError, match="right-padded"):
+        shared_prompt_logprobs(model, batch.input_ids, left, batch.completion_mask)
+
+
 def test_make_optimizer_and_shard_bounds():
     model = tiny_model()
     opt = make_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1))
@@ -398,13 +579,15 @@ class Case:
     max_len: int | None = None
     steps: int = 1
     adamw: bool = False
+    episodes: bool = False  # multi-turn rows with environment holes (make_episode_batch)
 
     def batches(self, world_size: int) -> list[TrainBatch]:
         zero = range(0)
         if self.zero_adv_rank is not None:
             zero = range(*shard_bounds(self.n, self.zero_adv_rank, world_size, self.shard_sizes))
         # groups of 3 share a prompt, so groups straddle shard and micro-batch edges
-        return [make_batch(self.n, seed=100 + s, zero_adv=zero, group=3) for s in range(self.steps)]
+        make = make_episode_batch if self.episodes else make_batch
+        return [make(self.n, seed=100 + s, zero_adv=zero, group=3) for s in range(self.steps)]
 
 
 KL = LossConfig(kl_beta=0.05)
@@ -571,6 +754,69 @@ def test_ddp_step_matches_single_process(world_size, ddp_results):
             assert 0 < rank0["samples_nonzero_adv"] < case.n
             # without the KL term the zero-advantage rank skipped its whole shard (and still synced)
             assert (rank0["tokens_trained"] < rank0["tokens"]) == (case.loss.kl_beta == 0)
+
+
+EPISODE_CASES = [
+    Case("grpo_episodes_shared_prompt", KL, OptimConfig(micro_batch=2, max_grad_norm=10.0, share_prompt=True), n=7,
+         shard_sizes=(2, 5), steps=2, episodes=True),
+    Case("dapo_episodes_zero_adv_no_kl", LossConfig(loss_type="dapo", kl_beta=0.0, clip_eps_high=0.28),
+         OptimConfig(micro_batch=3, max_grad_norm=10.0), n=6, zero_adv_rank=0, episodes=True),
+    # max_len None: the longest row's model tokens, all-reduced with MAX
+    Case("dr_grpo_episodes_trainer_sequence_mask",
+         replace(KL, loss_type="dr_grpo", old_logp_source="trainer", importance_sampling_mode="sequence_mask",
+                 importance_sampling_cap=2.0),
+         OptimConfig(micro_batch=2, max_grad_norm=10.0, share_prompt=True), n=6, shard_sizes=(4, 2), episodes=True),
+    Case("dapo_episodes_empty_rank_sequence_truncate",
+         replace(KL, loss_type="dapo", old_logp_source="trainer", importance_sampling_mode="sequence_truncate",
+                 importance_sampling_cap=1.5),
+         OptimConfig(micro_batch=2, max_grad_norm=10.0), n=5, shard_sizes=(0, 5), episodes=True),
+]
+
+
+def _episode_worker(rank: int, port: int, out_dir: str) -> None:
+    """:data:`EPISODE_CASES` at world size 2."""
+    out = Path(out_dir)
+    try:
+        torch.set_num_threads(1)
+        _float64_norms()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        CASES[2], saved = EPISODE_CASES, CASES[2]  # _run_cases runs CASES[world_size]
+        try:
+            results = _run_cases(rank, 2, None)
+        finally:
+            CASES[2] = saved
+        torch.save(results, out / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+def test_ddp_step_on_episodes_matches_single_process(tmp_path):
+    """Uneven episode lengths and hole patterns across two real gloo ranks (one empty, one whose rows
+    all have advantage 0): the update and the stats are the single-process reference's, which scores
+    the whole stream and keeps the model tokens by the mask."""
+    results = spawn_ranks(2, tmp_path, target=_episode_worker)
+    for case in EPISODE_CASES:
+        batches = case.batches(2)
+        for batch in batches:  # each non-empty shard holds environment holes
+            for rank in range(2):
+                lo, hi = shard_bounds(len(batch), rank, 2, case.shard_sizes)
+                assert hi == lo or env_positions(batch[lo:hi]).any(), case.name
+        want_delta, want_stats = _reference_step(batches, case.loss, case.optim, case.max_len, case.adamw,
+                                                 score_all=True)
+        rank0 = results[0][case.name][1]
+        for res in results:
+            delta, stats = res[case.name]
+            assert _rel_err(delta, want_delta) <= 1e-10, (case.name, _rel_err(delta, want_delta))
+            assert stats == rank0 or all(stats[k] == rank0[k] or math.isnan(rank0[k] or 0.0) for k in stats)
+        _assert_stats_close(rank0, want_stats, rel=1e-9)
+        last = batches[-1]
+        assert rank0["tokens"] == int(last.completion_mask.sum()) < int(stream_mask(last).sum())
+        if case.zero_adv_rank is not None:
+            assert rank0["tokens_trained"] < rank0["tokens"]
 
 
 class Routed(nn.Module):
