@@ -437,7 +437,19 @@ def _kill_repeatedly(client, part: str, times: int, killed: list, timeout: float
     return t
 
 
-def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, client):
+@pytest.fixture
+def storm_client():
+    """A cluster of the module's shape for one preemption-storm test, closed after it. Its own: Dask's
+    SpecCluster closes the nanny of a worker that has not re-registered within
+    ``distributed.deploy.lost-worker-timeout`` (15 s), which a worker killed again and again can
+    miss, and nothing then starts that worker again (seen once on a fresh clone: the run completed,
+    and the module's cluster was left one rollout worker short for the tests after it)."""
+    c = cl.connect(**CLUSTER_SHAPE, quiet=True)
+    yield c
+    cl.shutdown(c)
+
+
+def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, storm_client):
     """The worker holding one rollout task is killed 5 times, past Dask's allowed-failures (3): the
     4th loss ends the task in KilledWorker, and so does each loss after it. The driver resubmits it
     (seeded: the same groups come back), the run completes and the records count the resubmissions."""
@@ -446,8 +458,8 @@ def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, client):
     allowed = dask.config.get("distributed.scheduler.allowed-failures")  # this process runs the scheduler
     cfg = _cfg(tmp_path, iterations=3, world_size=1)
     killed = []
-    watcher = _kill_repeatedly(client, "-rollout-1-0-", allowed + 2, killed)
-    res = loop.run(cfg, client=client, progress=False)
+    watcher = _kill_repeatedly(storm_client, "-rollout-1-0-", allowed + 2, killed)
+    res = loop.run(cfg, client=storm_client, progress=False)
     watcher.join(timeout=5)
     assert len(killed) == allowed + 2, f"only {len(killed)} workers were killed"
     assert [r["iteration"] for r in res.records] == [0, 1, 2]
@@ -457,10 +469,9 @@ def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, client):
     # every loss past the allowed ones was a KilledWorker the driver resubmitted, while gathering batch 1
     assert resubmits[0] == 0 and resubmits[1] >= len(killed) - allowed and resubmits[2] == 0, resubmits
     assert res.records[-1]["gang_restarts"] == 0  # the trainer gang never noticed
-    cl.wait_for_role(client, cl.ROLLOUT, 2)
 
 
-def test_task_resubmissions_are_bounded(tmp_path, client):
+def test_task_resubmissions_are_bounded(tmp_path, storm_client):
     """max_task_failures=0: the first KilledWorker of a rollout task ends the run, clearly."""
     import dask
 
@@ -469,8 +480,7 @@ def test_task_resubmissions_are_bounded(tmp_path, client):
     allowed = dask.config.get("distributed.scheduler.allowed-failures")
     cfg = _cfg(tmp_path, iterations=3, world_size=1, max_task_failures=0)
     killed = []
-    _kill_repeatedly(client, "-rollout-1-0-", allowed + 1, killed)
+    _kill_repeatedly(storm_client, "-rollout-1-0-", allowed + 1, killed)
     with pytest.raises(remote.TasksLost, match="max_task_failures=0"):
-        loop.run(cfg, client=client, progress=False)
+        loop.run(cfg, client=storm_client, progress=False)
     assert len(killed) == allowed + 1
-    cl.wait_for_role(client, cl.ROLLOUT, 2)
