@@ -185,6 +185,39 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class EpisodeConfig:
+    """Limits of a multi-turn episode and of its tools (used when the task has tools or an
+    environment: ``Task.tools``, ``Task.environment_factory``; see ``grpo_kit.episode``)."""
+
+    max_turns: int = 4
+    """Model turns per episode at most (a turn that still calls tools there ends it: ``"max_turns"``)."""
+    max_turn_tokens: int | None = None
+    """Sampled tokens per turn at most; None means ``max_new_tokens``. A turn cut here ends the
+    episode with ``"budget"``."""
+    max_episode_tokens: int = 256
+    """Completion-side tokens per episode at most: sampled plus environment ids. It is also dr_grpo's
+    constant length in multi-turn runs (the loss counts sampled tokens only)."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call (past it the model gets a ``"timeout"`` error answer)."""
+    max_tool_calls: int = 8
+    """Tool calls run per turn; later ones get a ``"too_many_calls"`` error answer."""
+    tool_workers: int = 8
+    """Threads running the episodes' tool calls on a rollout worker (episodes concurrently)."""
+    tool_gather_s: float = 0.05
+    """How long the runner waits for more tool answers before it samples the episodes that have one."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
+        _check(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
+               f"max_turn_tokens must be >= 1 or None, got {self.max_turn_tokens}")
+        _check(self.max_episode_tokens >= 1, f"max_episode_tokens must be >= 1, got {self.max_episode_tokens}")
+        _check(self.tool_timeout_s > 0, f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")
+        _check(self.max_tool_calls >= 1, f"max_tool_calls must be >= 1, got {self.max_tool_calls}")
+        _check(self.tool_workers >= 1, f"tool_workers must be >= 1, got {self.tool_workers}")
+        _check(self.tool_gather_s >= 0, f"tool_gather_s must be >= 0, got {self.tool_gather_s}")
+
+
+@dataclass(frozen=True)
 class LossConfig:
     loss_type: str = "grpo"
     """Normalization, TRL's names: grpo (mean of per-sequence means), dapo (token mean over the
@@ -400,6 +433,7 @@ _SECTIONS = {
     "prompt": PromptConfig,
     "reward": RewardConfig,
     "sampling": SamplingConfig,
+    "episode": EpisodeConfig,
     "loss": LossConfig,
     "optim": OptimConfig,
     "lora": LoRAConfig,
@@ -420,6 +454,8 @@ class Config:
     """How completions are scored."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Rollout engine and sampling."""
+    episode: EpisodeConfig = field(default_factory=EpisodeConfig)
+    """Multi-turn episodes' limits (tasks with tools or an environment)."""
     loss: LossConfig = field(default_factory=LossConfig)
     """GRPO objective."""
     optim: OptimConfig = field(default_factory=OptimConfig)

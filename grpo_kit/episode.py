@@ -15,7 +15,7 @@ None, is appended to the user message; its public methods are tools beside the s
 An episode ends (:attr:`Episode.end_reason`) ``"answered"``: a turn ended by a stop id or stop
 string with no tool call in it; ``"max_turns"``: turn ``max_turns`` still called tools (they are not
 run, so the stream ends on the model's ids); ``"budget"``: a turn reached its token limit, or the
-next turn or environment segment would not fit ``max_tokens`` (the completion side: sampled and
+next turn or environment segment would not fit ``max_episode_tokens`` (the completion side: sampled and
 environment ids) or the engine's context; ``"error"``: the environment's ``reset`` or the rendering
 of its answers raised (:attr:`Episode.error`). A :class:`~grpo_kit.renderers.PrefixError` is raised,
 not recorded: it is a configuration fault, and training on that stream would be wrong.
@@ -23,7 +23,7 @@ not recorded: it is a configuration fault, and training on that stream would be 
 Scheduling: every episode whose next turn is due is sampled in one engine call (:class:`TurnEngine`);
 each episode's tool calls then run in a thread pool (in order within the episode; episodes
 concurrently), and the next engine call takes the episodes whose tools have answered (those still
-waiting after ``gather_s`` join a later call), so a slow tool holds only its own episode. Seeds:
+waiting after ``tool_gather_s`` join a later call), so a slow tool holds only its own episode. Seeds:
 turn ``t`` of the episode of ``(iteration, group_id, sample_idx)`` samples from a generator seeded
 with :func:`turn_seed` of :func:`episode_seed`, so a retried task reproduces its episodes.
 """
@@ -31,6 +31,7 @@ with :func:`turn_seed` of :func:`episode_seed`, so a retried task reproduces its
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import hashlib
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -38,12 +39,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from . import data
+from .config import EpisodeConfig
 from .prompts import PromptFormat
 from .renderers import PrefixError, Renderer, decode
 from .rollout import Continuation, Rollout
 from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
 
 END_REASONS = ("answered", "max_turns", "budget", "error")
+DEFAULT_TURN_TOKENS = 64
+"""A turn's token limit where ``EpisodeConfig.max_turn_tokens`` is None and no run fills it in."""
 
 
 class TurnEngine(Protocol):
@@ -56,28 +60,6 @@ class TurnEngine(Protocol):
 
     def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
                    version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]: ...
-
-
-@dataclass(frozen=True)
-class EpisodeConfig:
-    """Limits of an episode and of its tools."""
-
-    max_turns: int = 4
-    """Model turns at most."""
-    max_turn_tokens: int = 64
-    """Sampled tokens per turn at most (a turn cut here ends the episode with ``"budget"``)."""
-    max_tokens: int = 256
-    """Completion-side tokens (sampled + environment) per episode at most."""
-    temperature: float = 1.0
-    """Sampling temperature (log-probs are of the tempered distribution)."""
-    tool_timeout_s: float = 10.0
-    """Wall-clock limit of one tool call (past it: a ``"timeout"`` error answer)."""
-    max_calls_per_turn: int = 8
-    """Tool calls run per turn; later ones are answered with a ``"too_many_calls"`` error."""
-    tool_workers: int = 8
-    """Threads running the episodes' tool calls."""
-    gather_s: float = 0.05
-    """How long the runner waits for more tool answers before sampling the episodes that have one."""
 
 
 @dataclass
@@ -174,8 +156,48 @@ def to_rollout(ep: Episode) -> Rollout:
         prompt_id=ep.prompt_id, group_id=ep.group_id, sample_idx=ep.sample_idx, prompt_ids=list(ep.prompt_ids),
         completion_ids=list(ep.completion_ids), logprobs=list(ep.logprobs), version=ep.version,
         finish_reason="length" if ep.end_reason == "budget" else "stop", text=answers[-1] if answers else "",
-        gold=ep.gold, mask=list(ep.mask), reward=ep.env_reward, iteration=ep.iteration,
+        gold=ep.gold, mask=list(ep.mask), reward=ep.env_reward, iteration=ep.iteration, episode=summary(ep),
     )
+
+
+def summary(ep: Episode) -> dict[str, Any]:
+    """What a rollout record keeps of an episode besides its tokens (:attr:`grpo_kit.rollout.Scored.episode`):
+    counts, end reason, environment reward, and the conversation after the prompt."""
+    n_prompt = len(ep.messages) - sum(m.get("role") in ("assistant", "tool") for m in ep.messages)
+    return {"turns": ep.turns, "tool_calls": ep.tool_calls, "tool_errors": dict(ep.tool_errors),
+            "end_reason": ep.end_reason, "model_tokens": ep.sampled_tokens,
+            "env_tokens": len(ep.completion_ids) - ep.sampled_tokens, "env_reward": ep.env_reward,
+            "error": ep.error, "messages": [dict(m) for m in ep.messages[n_prompt:]]}
+
+
+@dataclass
+class EpisodePlan:
+    """What a rollout worker needs to play a task's episodes; it travels with each rollout task
+    (cloudpickle, so tools and environment classes defined in a notebook cell go too)."""
+
+    tools: list
+    """Standalone tool functions."""
+    environment_factory: Callable[[], Any] | None
+    """One environment per episode, or None."""
+    cfg: EpisodeConfig
+    """Limits (``max_turn_tokens`` filled in)."""
+    tool_parser: Any = None
+    """A :data:`grpo_kit.tools.PARSERS` name or a parser object; None: the renderer's format."""
+
+    @classmethod
+    def of(cls, task, cfg) -> EpisodePlan | None:
+        """The plan of ``task`` under a run's config, or None for a single-turn task."""
+        if not task.multi_turn:
+            return None
+        ep = cfg.episode
+        if ep.max_turn_tokens is None:
+            ep = dataclasses.replace(ep, max_turn_tokens=cfg.sampling.max_new_tokens)
+        return cls(list(task.tools), task.environment_factory, ep, task.tool_parser)
+
+    def runner(self, engine, renderer: Renderer, temperature: float) -> EpisodeRunner:
+        return EpisodeRunner(engine, renderer, tools=self.tools, environment_factory=self.environment_factory,
+                             cfg=self.cfg, prompt_format=engine.prompt_format, temperature=temperature,
+                             tool_parser=parser(self.tool_parser) if isinstance(self.tool_parser, str) else self.tool_parser)
 
 
 def episode_seed(seed: int, iteration: int, group_id: int, sample_idx: int) -> int:
@@ -237,15 +259,19 @@ class EpisodeRunner:
 
     def __init__(self, engine: TurnEngine, renderer: Renderer, *, tools: Sequence[Callable] = (),
                  environment_factory: Callable[[], Any] | None = None, cfg: EpisodeConfig = EpisodeConfig(),
-                 prompt_format: PromptFormat | None = None, tool_parser=None) -> None:
+                 prompt_format: PromptFormat | None = None, tool_parser=None, temperature: float = 1.0) -> None:
         self.engine, self.renderer, self.tools, self.factory = engine, renderer, list(tools), environment_factory
         self.cfg, self.fmt = cfg, prompt_format or PromptFormat()
+        self.turn_tokens = cfg.max_turn_tokens or DEFAULT_TURN_TOKENS
+        self.temperature = temperature
+        """Sampling temperature (log-probs are of the tempered distribution); 0 decodes greedily
+        (evaluation: the engines take argmax, and the log-probs are the untempered policy's)."""
         self.parser = tool_parser or parser(renderer.format)
 
     def start(self, p: data.Problem, ep: Episode) -> Live:
         env = self.factory() if self.factory is not None else None
         box = ToolBox(self.tools + (environment_tools(env) if env is not None else []),
-                      timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_calls_per_turn)
+                      timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls)
         live = Live(ep, env, box, box.schemas())
         ep.messages = self.fmt.messages(p.question)
         if env is not None:
@@ -258,9 +284,9 @@ class EpisodeRunner:
                 ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
         ep.prompt_ids = self.renderer.encode(live.history)
-        if len(ep.prompt_ids) + self.cfg.max_turn_tokens > self.engine.max_model_len:
+        if len(ep.prompt_ids) + self.turn_tokens > self.engine.max_model_len:
             raise ValueError(f"problem {p.id!r}: prompt of {len(ep.prompt_ids)} tokens + max_turn_tokens="
-                             f"{self.cfg.max_turn_tokens} exceeds the engine's context of {self.engine.max_model_len}")
+                             f"{self.turn_tokens} exceeds the engine's context of {self.engine.max_model_len}")
         return live
 
     def turn(self, live: Live, out: Continuation) -> list | None:
@@ -296,7 +322,7 @@ class EpisodeRunner:
             ep.end_reason, ep.error = "error", f"rendering the tool answers raised {type(e).__name__}: {e}"
             return False
         ids = self.renderer.encode(env_text)
-        if len(ep.completion_ids) + len(ids) >= self.cfg.max_tokens or \
+        if len(ep.completion_ids) + len(ids) >= self.cfg.max_episode_tokens or \
                 len(ep.stream) + len(ids) >= self.engine.max_model_len:
             del ep.messages[n:]  # the messages stay those of the stream
             ep.end_reason = "budget"
@@ -308,6 +334,12 @@ class EpisodeRunner:
     def run(self, problems: Sequence[data.Problem], n: int, version: int = 0, *, seed: int = 0, iteration: int = 0,
             group_offset: int = 0) -> list[Episode]:
         """``n`` episodes per problem, grouped consecutively (``group_id = group_offset + i``)."""
+        return [lv.ep for lv in self.play(problems, n, version, seed=seed, iteration=iteration, group_offset=group_offset)]
+
+    def play(self, problems: Sequence[data.Problem], n: int, version: int = 0, *, seed: int = 0, iteration: int = 0,
+             group_offset: int = 0) -> list[Live]:
+        """:meth:`run`, returning each episode with its environment (``Live.env``, alive: reward
+        functions may read it, as TRL's take ``environments``)."""
         lives = []
         for i, p in enumerate(problems):
             for j in range(n):
@@ -323,7 +355,7 @@ class EpisodeRunner:
                     outs = self.engine.sample_ids(
                         [lv.ep.stream for lv in ready], seeds=[turn_seed(lv.ep.seed, lv.ep.turns) for lv in ready],
                         max_new_tokens=[self.budget(lv) for lv in ready], version=version,
-                        temperature=self.cfg.temperature, stop=self.renderer.stop)
+                        temperature=self.temperature, stop=self.renderer.stop)
                     for lv, out in zip(ready, outs, strict=True):
                         calls = self.turn(lv, out)
                         if calls:
@@ -331,19 +363,19 @@ class EpisodeRunner:
                 ready = []
                 if pending:
                     done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                    done |= cf.wait(set(pending) - done, timeout=self.cfg.gather_s)[0]
+                    done |= cf.wait(set(pending) - done, timeout=self.cfg.tool_gather_s)[0]
                     for f in sorted(done, key=lambda f: lives.index(pending[f])):  # a stable batch order
                         lv = pending.pop(f)
                         if self.answer(lv, f.result()):
                             ready.append(lv)
         for lv in lives:
             self.finish(lv)
-        return [lv.ep for lv in lives]
+        return lives
 
     def budget(self, lv: Live) -> int:
         """Tokens the next turn may sample."""
         ep = lv.ep
-        return min(self.cfg.max_turn_tokens, self.cfg.max_tokens - len(ep.completion_ids),
+        return min(self.turn_tokens, self.cfg.max_episode_tokens - len(ep.completion_ids),
                    self.engine.max_model_len - len(ep.stream))
 
     @staticmethod

@@ -39,6 +39,7 @@ from . import checkpoint, preflight, remote, tasks
 from . import cluster as cl
 from .adapters import AdapterStore
 from .config import Config
+from .episode import EpisodePlan
 from .gang import TrainerGang, batch_of
 from .metrics import Batch, Step, iteration_record, run_summary
 from .models import resolve_model
@@ -137,7 +138,7 @@ def run(
             print("warming up: building rollout engines and trainer policies ...", flush=True)
         remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
-        spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options)
+        spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options, multi_turn=task.multi_turn)
         gang = TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
         fabric = None
         if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric
@@ -150,7 +151,7 @@ def run(
 
         heldout_d = [remote.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
-                         list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s))
+                         list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s), EpisodePlan.of(task, cfg))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
         if resume:  # versions a crash (or a run with another policy) left behind
             driver.pruner.sweep(state["version"], driver.busy_versions())
@@ -169,7 +170,7 @@ def run(
 
 class _Driver:
     def __init__(self, cfg, client, store, gang, train_pool, heldout, state, metrics_path, samples_path, callbacks, records,
-                 scorer):
+                 scorer, episodes=None):
         self.cfg, self.client, self.store, self.gang = cfg, client, store, gang
         self.train_pool, self.heldout = train_pool, heldout
         self.state, self.metrics_path, self.samples_path = state, metrics_path, samples_path
@@ -184,6 +185,8 @@ class _Driver:
         self.depth = cfg.run.depth
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.scorer = scorer
+        self.episodes = episodes  # a multi-turn task's EpisodePlan (its chunks are scored on the rollout worker)
+        self.episode_kw = {"episodes": episodes, "scorer": scorer} if episodes is not None else {}
         # scoring runs on workers with the reward resource where there are any, else anywhere
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
         self.retries = remote.TaskRetries(client, cfg.run.max_task_failures)  # resubmits what KilledWorker ends
@@ -250,7 +253,7 @@ class _Driver:
             tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "")
             gen = self.client.submit(
                 remote.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, iteration), offset + c, iteration, newest=self.newest,
+                _seed(self.cfg.run.seed, iteration), offset + c, iteration, newest=self.newest, **self.episode_kw,
                 key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
             )
             scored.append(self.client.submit(remote.reward_task, gen, chunk, offset + c, self.scorer,
@@ -322,7 +325,7 @@ class _Driver:
             tag = f"carry-{e['iteration']}-r{e['round']}-{e['start']}-v{e['version']}"
             gen = self.client.submit(
                 remote.rollout_task, chunk, s.group_size, e["version"], s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, e["iteration"]), offset + e["start"], e["iteration"],
+                _seed(self.cfg.run.seed, e["iteration"]), offset + e["start"], e["iteration"], **self.episode_kw,
                 key=f"{self.key}-rollout-{tag}", resources={cl.ROLLOUT: 1}, retries=2,
             )
             scored = self.client.submit(remote.reward_task, gen, chunk, offset + e["start"], self.scorer,
@@ -347,7 +350,7 @@ class _Driver:
 
     def submit_eval(self, iteration: int, version: int) -> None:
         fut = self.client.submit(remote.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
-                                 key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
+                                 episodes=self.episodes, key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
                                  priority=-10)  # generation goes first when both wait for an engine
         self.evals.append((iteration, fut))
 

@@ -29,6 +29,8 @@ from .adapters import AdapterStore
 from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, warm_workers, workers_with
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
+from .episode import EpisodePlan, to_rollout
+from .renderers import for_engine
 from .rollout import RolloutSummary, build_engine, engine_options
 from .tasks import Scorer
 from .trainer import warm
@@ -133,21 +135,55 @@ def _engine():
 
 
 def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int, temperature: float, seed: int,
-                 group_offset: int, iteration: int, newest: bool = False) -> dict:
+                 group_offset: int, iteration: int, newest: bool = False, episodes: EpisodePlan | None = None,
+                 scorer: Scorer | None = None) -> dict:
     """Generate ``n`` completions for each problem with the worker's warm engine, from adapter
     ``version``, or with ``newest`` from the newest version in the store when the task starts (never
-    an older one than ``version``; the rollouts record which)."""
+    an older one than ``version``; the rollouts record which).
+
+    With ``episodes`` (a multi-turn task) each completion is an episode played with the task's tools
+    and environment (:mod:`grpo_kit.episode`; one adapter version for the whole episode), scored here
+    by ``scorer`` while the environments are alive (:func:`score_episodes`); :func:`reward_task` then
+    passes the chunk through."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     engine = _engine()
     store = getattr(engine, "store", None)
     if newest and store is not None:
         version = max(version, store.latest() or 0)
+    if episodes is not None:
+        lives = episodes.runner(engine, for_engine(engine), temperature).play(
+            probs, n, version, seed=seed, iteration=iteration, group_offset=group_offset)
+        t1 = time.time()
+        rows = [to_rollout(lv.ep).to_dict() for lv in lives]
+        if scorer is not None:
+            score_episodes(scorer, [probs[lv.ep.group_id - group_offset] for lv in lives], lives, rows)
+        return {"rollouts": rows, "start": t0, "end": t1, "worker": get_worker().address, "scored": scorer is not None,
+                "reward_start": t1, "reward_end": time.time(), "reward_worker": get_worker().address}
     outs = engine.generate(probs, n, version, max_new_tokens=max_new_tokens, temperature=temperature,
                            seed=seed, group_offset=group_offset)
     for r in outs:
         r.iteration = iteration
     return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
+
+
+def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: list[dict]) -> list:
+    """Score finished episodes with the task's reward functions: ``completions`` are the final
+    answers, and the columns ``environments`` (the live instances), ``env_reward`` and ``episodes``
+    come beside the problems' (:mod:`grpo_kit.tasks.base`). Stamps ``rows`` like :func:`reward_task`."""
+    extra = {"environments": [lv.env for lv in lives], "env_reward": [lv.ep.env_reward for lv in lives],
+             "episodes": [r["episode"] for r in rows]}
+    scores = scorer.score_problems(problems, [r["text"] for r in rows], extra)
+    stamp(rows, scores)
+    return scores
+
+
+def stamp(rows: list[dict], scores: list) -> None:
+    """Write each :class:`~grpo_kit.tasks.Score` into its rollout row."""
+    for r, sc in zip(rows, scores, strict=True):
+        r["reward"], r["reward_reason"] = sc.reward, sc.reason
+        r["correct"], r["lenient_correct"] = sc.correct, sc.lenient_correct
+        r["reward_components"], r["reward_errors"] = sc.components, sc.errors
 
 
 WARM_PROBLEM = Problem(id="warm-up", question="1 + 1 = ?", gold="2")
@@ -198,14 +234,12 @@ def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
 def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: Scorer) -> dict:
     """Score rollouts as soon as they complete, with the task's reward functions (``scorer``).
     A reward function that fails scores 0 with its reason (``reward_errors`` counts it)."""
+    if result.get("scored"):  # a multi-turn chunk, scored where its environments lived (rollout_task)
+        return result
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     rows = result["rollouts"]
-    scores = scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows])
-    for r, sc in zip(rows, scores, strict=True):
-        r["reward"], r["reward_reason"] = sc.reward, sc.reason
-        r["correct"], r["lenient_correct"] = sc.correct, sc.lenient_correct
-        r["reward_components"], r["reward_errors"] = sc.components, sc.errors
+    stamp(rows, scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows]))
     result["reward_start"], result["reward_end"] = t0, time.time()
     result["reward_worker"] = get_worker().address
     return result
@@ -219,16 +253,31 @@ def summary_task(scored: dict) -> dict:
             "rollouts": [RolloutSummary.of(r) for r in scored["rollouts"]]}
 
 
-def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: Scorer) -> dict:
+def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: Scorer,
+              episodes: EpisodePlan | None = None) -> dict:
     """Greedy held-out accuracy of adapter ``version`` (0 = the base model) by the task's rule:
     strict (``acc``; for the arithmetic tasks the ``####`` form and the right value) and lenient
-    (``lenient_acc``; there, the right value by any rule)."""
+    (``lenient_acc``; there, the right value by any rule). With ``episodes``: one greedy episode per
+    problem, and the episodes' counts besides (``tool_rate``: share of episodes that called a tool;
+    ``turns_mean``; ``tool_errors``)."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
-    outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
-    results = scorer.score_problems(probs, [r.text for r in outs])
+    extra: dict = {}
+    if episodes is not None:
+        engine = _engine()
+        lives = episodes.runner(engine, for_engine(engine), 0.0).play(probs, 1, version)
+        outs = [to_rollout(lv.ep) for lv in lives]
+        rows = [r.to_dict() for r in outs]
+        results = score_episodes(scorer, probs, lives, rows)
+        eps = [lv.ep for lv in lives]
+        extra = {"tool_rate": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
+                 "turns_mean": sum(e.turns for e in eps) / max(1, len(eps)),
+                 "tool_errors": sum(sum(e.tool_errors.values()) for e in eps)}
+    else:
+        outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
+        results = scorer.score_problems(probs, [r.text for r in outs])
     correct = [res.correct for res in results]
-    return {
+    return {**extra,
         "version": version,
         "acc": sum(correct) / max(1, len(correct)),
         "lenient_acc": sum(res.lenient_correct for res in results) / max(1, len(results)),

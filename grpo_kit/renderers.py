@@ -172,3 +172,11 @@ class PlainRenderer:
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, text)
+
+
+def for_engine(engine) -> Renderer:
+    """The renderer of an engine's prompts: :class:`ChatRenderer` (with the engine's stop strings)
+    where its prompt format uses the chat template, else :class:`PlainRenderer`."""
+    if engine.prompt_format.uses_chat(engine.tokenizer):
+        return ChatRenderer(engine.tokenizer, stop=getattr(engine, "stop", ()))
+    return PlainRenderer(engine.tokenizer)

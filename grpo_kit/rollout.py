@@ -53,6 +53,11 @@ class Scored:
     """Reward functions that raised, timed out or returned garbage for this completion (scored 0)."""
     iteration: int | None = None
     """Training iteration the rollout was generated for (set by the loop)."""
+    episode: dict | None = None
+    """A multi-turn episode's account (:func:`grpo_kit.episode.summary`): ``turns``, ``tool_calls``,
+    ``tool_errors`` (by kind), ``end_reason``, ``model_tokens``, ``env_tokens``, ``env_reward``,
+    ``error`` and ``messages`` (the conversation after the prompt, the environment's turns as
+    ``"tool"`` messages). None for a single-turn completion (and then not serialized)."""
 
     @property
     def truncated(self) -> bool:
@@ -101,8 +106,9 @@ class Rollout(Scored):
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        if d["mask"] is None:
-            del d["mask"]
+        for k in ("mask", "episode"):
+            if d[k] is None:
+                del d[k]
         for k in TOKEN_FIELDS:
             if k in d:
                 d[k] = list(d[k])
@@ -128,13 +134,16 @@ class RolloutSummary(Scored):
     prompt_tokens: int
     """``len(prompt_ids)``."""
     completion_tokens: int
-    """``len(completion_ids)``."""
+    """Tokens the policy sampled: ``len(completion_ids)``, or ``sum(mask)`` in a multi-turn episode
+    (its environment ids are in ``episode["env_tokens"]``)."""
 
     @staticmethod
     def of(rollout: dict[str, Any]) -> dict[str, Any]:
         """The summary (as plain JSON types) of a rollout in :meth:`Rollout.to_dict` form."""
         d = {k: v for k, v in rollout.items() if k not in TOKEN_FIELDS}
-        d["prompt_tokens"], d["completion_tokens"] = len(rollout["prompt_ids"]), len(rollout["completion_ids"])
+        mask = rollout.get("mask")
+        d["prompt_tokens"] = len(rollout["prompt_ids"])
+        d["completion_tokens"] = len(rollout["completion_ids"]) if mask is None else sum(mask)
         return d
 
 
@@ -404,11 +413,12 @@ class HFEngine:
         """Continue each token-id prompt as given (nothing re-tokenized), row ``i`` sampled from its own
         generator seeded with ``seeds[i]`` (so a row's ids do not depend on the other rows, up to float
         rounding of the batch) and cut at ``max_new_tokens[i]``, a stop id or a ``stop`` string.
-        Top-k and top-p off; log-probs are of the tempered distribution sampled from."""
+        Top-k and top-p off; log-probs are of the tempered distribution sampled from. ``temperature=0``
+        decodes greedily (argmax; the log-probs are then the untempered policy's)."""
         import torch
         from transformers import DynamicCache
 
-        check_request(1, version, max(max_new_tokens, default=1), temperature, has_store=self.store is not None)
+        check_request(1, version, max(max_new_tokens, default=1), temperature or 1.0, has_store=self.store is not None)
         B, width = len(prompts), max((len(p) for p in prompts), default=0)
         if not prompts:
             return []
@@ -430,10 +440,11 @@ class HFEngine:
             step = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
             for _ in range(max(max_new_tokens)):
                 logits = self._model(**step, past_key_values=cache, use_cache=True).logits[:, -1]
-                logp = (logits.float() / temperature).log_softmax(-1)  # (B, V)
+                logp = (logits.float() / (temperature or 1.0)).log_softmax(-1)  # (B, V)
                 nxt = torch.full((B,), self.pad_token_id, dtype=torch.long, device=self.device)
                 for i in sorted(live):
-                    tok = int(torch.multinomial(logp[i].exp(), 1, generator=gens[i]))
+                    tok = int(logp[i].argmax()) if not temperature else \
+                        int(torch.multinomial(logp[i].exp(), 1, generator=gens[i]))
                     c = out[i]
                     c.ids.append(tok)
                     c.logprobs.append(float(logp[i, tok]))

@@ -189,3 +189,53 @@ def hostile_completions() -> dict[str, tuple[int, str]]:
         "an answer nested too deeply": (0, "    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n"),
         "garbage on the answer pipe": (0, main + "    data = b'\\xff' * 64\n" + every_fd + "    return True\n"),
     }
+
+
+class CallEveryTurn:
+    """A tool-call parser that reads one call to ``tool`` (with the turn's first characters as its
+    ``text`` argument) in every turn: a model that never learned tools still plays multi-turn
+    episodes, so the loop's multi-turn path is exercised on the tiny model."""
+
+    def __init__(self, tool: str = "note") -> None:
+        self.tool = tool
+
+    def parse(self, text: str) -> list:
+        from .tools import ToolCall
+
+        return [ToolCall(self.tool, kwargs={"text": text[:12]})]
+
+
+class Notes:
+    """An environment written for TRL's ``environment_factory``: ``reset``, one public tool,
+    ``get_reward`` (the number of notes taken)."""
+
+    def reset(self, **kwargs) -> str | None:
+        self.notes: list[str] = []
+        return None
+
+    def note(self, text: str) -> str:
+        """Write a note down.
+
+        Args:
+            text: What to note.
+        """
+        self.notes.append(text)
+        return f"noted {len(self.notes)}"
+
+    def get_reward(self) -> float:
+        return float(len(self.notes))
+
+
+def notes_task(n_problems: int = 64):
+    """A multi-turn task on the synthetic questions: :class:`Notes` as the environment,
+    :class:`CallEveryTurn` as the parser, rewarded by the environment (the number of turns the
+    episode lasted) plus the final answer's correctness."""
+    from . import data
+    from .tasks import Task
+    from .tasks.base import env_reward
+
+    def problems(split, n, seed):
+        return data.synthetic_problems(min(n, n_problems), split=split, seed=seed)
+
+    return Task("notes", problems, [env_reward], environment_factory=Notes, tool_parser=CallEveryTurn(),
+                correct_at=3.0)

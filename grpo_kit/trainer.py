@@ -67,13 +67,15 @@ class RankSpec:
 
     @classmethod
     def for_run(cls, cfg: Config, run_id: str, model_path: str, store_root: str,
-                storage_options: dict | None) -> RankSpec:
-        """Rank 0's spec for a run of ``cfg`` (the gang fills in rank, gang id and rendezvous)."""
+                storage_options: dict | None, multi_turn: bool = False) -> RankSpec:
+        """Rank 0's spec for a run of ``cfg`` (the gang fills in rank, gang id and rendezvous).
+        ``multi_turn``: the task plays episodes, whose budget is ``cfg.episode.max_episode_tokens``."""
         return cls(
             run_id=run_id, model_path=model_path, store_root=store_root, storage_options=storage_options,
             model=cfg.model, lora=cfg.lora, loss=cfg.loss, optim=cfg.optim, seed=cfg.run.seed, rank=0,
             world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
-            timeout_s=cfg.cluster.collective_timeout_s, max_len=cfg.sampling.max_new_tokens,
+            timeout_s=cfg.cluster.collective_timeout_s,
+            max_len=cfg.episode.max_episode_tokens if multi_turn else cfg.sampling.max_new_tokens,
             temperature=cfg.sampling.temperature,
         )
 

@@ -353,10 +353,11 @@ class VLLMEngine:
     def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
                    version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]:
         """One continuation per token-id prompt (a ``TokensPrompt``, nothing re-tokenized), request ``i``
-        seeded with ``seeds[i]``; the contract of :meth:`grpo_kit.rollout.HFEngine.sample_ids`."""
+        seeded with ``seeds[i]``; the contract of :meth:`grpo_kit.rollout.HFEngine.sample_ids` (``temperature=0``:
+        greedy)."""
         import torch
 
-        check_request(1, version, max(max_new_tokens, default=1), temperature, has_store=self.store is not None)
+        check_request(1, version, max(max_new_tokens, default=1), temperature or 1.0, has_store=self.store is not None)
         for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
             if not p or len(p) + m > self.max_model_len:
                 raise ValueError(f"row {i}: a prompt of {len(p)} ids + max_new_tokens={m} does not fit "

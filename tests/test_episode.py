@@ -121,7 +121,7 @@ def test_tiny_stream_is_exact_and_aligned_with_the_trainer(tiny_engine):
     rec = Recording(tiny_engine)
     renderer = PlainRenderer(tiny_engine.tokenizer)
     runner = EpisodeRunner(rec, renderer, environment_factory=Notes, tool_parser=Scripted(),
-                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_episode_tokens=200))
     problems = data.synthetic_problems(3, split="train", seed=0)
     eps = runner.run(problems, 3, seed=4, iteration=2)
     assert_exact_stream(eps, rec, renderer, min_tokens=300, min_multi=len(eps) // 2)
@@ -150,7 +150,7 @@ def test_episodes_train_on_their_model_tokens_only(tiny_engine, share_prompt):
     from grpo_kit.train_step import collate, grpo_step, make_optimizer
 
     runner = EpisodeRunner(tiny_engine, PlainRenderer(tiny_engine.tokenizer), environment_factory=Notes,
-                           tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+                           tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_episode_tokens=200))
     eps = runner.run(data.synthetic_problems(3, split="train", seed=0), 3, seed=4, iteration=2)
     rollouts = [to_rollout(e) for e in eps]
     assert all(r.mask == e.mask and r.completion_ids == e.completion_ids for r, e in zip(rollouts, eps, strict=True))
@@ -205,7 +205,7 @@ def test_to_rollout_keeps_the_stream_and_its_mask():
 
 def test_episodes_reproduce_by_seed_alone(tiny_engine):
     runner = EpisodeRunner(tiny_engine, PlainRenderer(tiny_engine.tokenizer), environment_factory=Notes,
-                           tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=2, max_turn_tokens=24, max_tokens=120))
+                           tool_parser=Scripted(), cfg=EpisodeConfig(max_turns=2, max_turn_tokens=24, max_episode_tokens=120))
     problems = data.synthetic_problems(3, split="train", seed=1)
     a = runner.run(problems, 2, seed=7, iteration=5)
     b = runner.run(problems, 2, seed=7, iteration=5)
@@ -223,7 +223,7 @@ def test_smollm2_stream_is_exact_and_aligned_with_the_trainer(smol_path):
     renderer = ChatRenderer(engine.tokenizer, stop=(".",))  # short turns: a stop string or the end-of-turn token
     assert not renderer.native_tools  # SmolLM2's ChatML template ignores tools=: described in the system message
     runner = EpisodeRunner(rec, renderer, environment_factory=Notes, tool_parser=Scripted(),
-                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_episode_tokens=200))
     problems = data.synthetic_problems(2, split="train", seed=0, n_digits=2)
     eps = runner.run(problems, 3, seed=0)
     assert_exact_stream(eps, rec, renderer, min_tokens=100, min_multi=2)
@@ -314,7 +314,7 @@ def test_stopping_rules_and_errors(smol_tok):
                         cfg=EpisodeConfig(max_turns=2)).run(data.synthetic_problems(1, split="train", seed=0), 2)
     assert [(e.end_reason, e.turns, e.tool_calls) for e in eps] == [("max_turns", 2, 1)] * 2
     eps = EpisodeRunner(always, ChatRenderer(smol_tok), environment_factory=Counter,
-                        cfg=EpisodeConfig(max_turns=9, max_tokens=120)).run(data.synthetic_problems(1, split="train", seed=0), 1)
+                        cfg=EpisodeConfig(max_turns=9, max_episode_tokens=120)).run(data.synthetic_problems(1, split="train", seed=0), 1)
     assert eps[0].end_reason == "budget" and len(eps[0].completion_ids) <= 120 and eps[0].segments[-1].kind == "model"
     bad = FakeEngine(smol_tok, lambda text, turn: "<tool_call>{oops</tool_call>" if turn == 0 else "fine")
     (ep,) = EpisodeRunner(bad, ChatRenderer(smol_tok), environment_factory=Counter).run(

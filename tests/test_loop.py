@@ -484,3 +484,28 @@ def test_task_resubmissions_are_bounded(tmp_path, storm_client):
     with pytest.raises(remote.TasksLost, match="max_task_failures=0"):
         loop.run(cfg, client=storm_client, progress=False)
     assert len(killed) == allowed + 1
+
+
+def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
+    """A TRL-shaped environment's episodes (every turn calls its tool) through the pipelined loop on
+    two DDP ranks: the streams reach the trainer with their masks (on-policy ratio 1 over the model's
+    tokens only), the records and rollouts.jsonl show the episodes, and evaluation plays them greedily."""
+    from grpo_kit import testing
+
+    cfg = _cfg(tmp_path, iterations=3, eval_every=2, world_size=2, preflight_sizes="", max_turns=3,
+               max_turn_tokens=32, max_episode_tokens=160)
+    res = loop.run(cfg, client=client, progress=False, task=testing.notes_task())
+    rows = _rollouts(tmp_path / "run")
+    eps = [r["episode"] for r in rows]
+    assert all(e["turns"] >= 1 and e["end_reason"] in ("max_turns", "budget") for e in eps)
+    assert sum(e["turns"] >= 2 for e in eps) >= len(eps) // 2 and all(e["env_tokens"] > 0 for e in eps if e["turns"] >= 2)
+    assert all(r["completion_tokens"] == e["model_tokens"] for r, e in zip(rows, eps, strict=True))
+    assert all(r["reward"] == e["env_reward"] == e["tool_calls"] for r, e in zip(rows, eps, strict=True))
+    tool_msgs = [m for e in eps for m in e["messages"] if m["role"] == "tool"]
+    assert tool_msgs and all(m["content"].startswith("noted ") for m in tool_msgs)
+    assert res.records[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy through the turns
+    assert [r["staleness_max"] for r in res.records] == [0, 1, 1]
+    _assert_groups_exact(tmp_path / "run", cfg)
+    assert _chain(AdapterStore(cfg.run.store_root)) == [1, 2, 3]
+    evals = [e for r in res.records for e in r.get("evals", [])]
+    assert evals and all(0 <= e["tool_rate"] <= 1 and e["turns_mean"] >= 1 for e in evals)

@@ -445,7 +445,7 @@ def test_episodes_on_token_id_prompts(engine, store, tiny_path):
     from grpo_kit.renderers import PlainRenderer
 
     runner = EpisodeRunner(engine, PlainRenderer(engine.tokenizer), environment_factory=Notes, tool_parser=Scripted(),
-                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_tokens=200))
+                           cfg=EpisodeConfig(max_turns=3, max_turn_tokens=40, max_episode_tokens=200))
     problems = data.synthetic_problems(3, split="train", seed=0)
     a = runner.run(problems, 3, 1, seed=3)
     assert [e.completion_ids for e in runner.run(problems, 3, 1, seed=3)] == [e.completion_ids for e in a]

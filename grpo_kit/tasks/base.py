@@ -12,6 +12,17 @@ aligned with ``completions`` (functions should accept ``**kwargs`` for the colum
 function may return :class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a
 parsed value, a reason and its own correctness rule. ``None`` means "does not apply" and counts 0.
 
+Multi-turn tasks: a task with ``tools`` (plain functions, TRL's ``tools=``) or an
+``environment_factory`` (a class, TRL's ``environment_factory=``) trains on episodes
+(:mod:`grpo_kit.episode`, limits in ``Config.episode``). Their reward functions run on the rollout
+worker right after the episodes end, with the same signature: ``completions`` are the final
+assistant messages' texts, and three more columns come beside the problem's: ``environments`` (each
+episode's live environment instance, as TRL passes them; None without a factory), ``env_reward``
+(each environment's ``get_reward()``, None where it has none or it raised) and ``episodes`` (each
+episode's account: turns, tool calls and errors, end reason, token counts, the conversation; see
+:attr:`grpo_kit.rollout.Scored.episode`). A task with an environment and no reward functions is
+scored by :func:`env_reward` (the environment's own ``get_reward``).
+
 The reward of a completion is the weighted sum of its components. Accuracy (training and held-out)
 reads the first reward: its ``RewardResult.correct`` (and ``lenient_correct``) where it returns
 those, else ``score >= correct_at``. :class:`Scorer` applies all of this on a Dask worker, and never
@@ -52,7 +63,7 @@ class Task:
     """Recorded in the run's ``config.json`` and records."""
     problems: Callable[[str, int, int], Sequence[Problem]]
     """``(split, n, seed) -> problems``; ``split`` is ``"train"`` or ``"heldout"``; ``n`` caps the count."""
-    rewards: Sequence[RewardFn]
+    rewards: Sequence[RewardFn] = ()
     """Reward functions (TRL's signature); the first one defines accuracy."""
     weights: Sequence[float] | None = None
     """One weight per reward function; None weighs each 1."""
@@ -62,10 +73,26 @@ class Task:
     """A first reward that returns plain floats counts a completion correct when its score is at least this."""
     names: Sequence[str] | None = None
     """Component names for the records and plots; None uses the functions' ``__name__``."""
+    tools: Sequence[Callable] = ()
+    """Tool functions (type hints and a Google-style docstring, as TRL and transformers take them):
+    with tools or an environment the task trains on multi-turn episodes (module docstring)."""
+    environment_factory: Callable[[], Any] | None = None
+    """Makes one environment per episode (TRL's shape: ``reset(**row)``, public methods as tools,
+    optional ``get_reward()``); None: tools only."""
+    tool_parser: Any = None
+    """Tool-call format: a ``grpo_kit.tools.PARSERS`` name or an object with ``parse(text) ->
+    list[ToolCall]``; None: the renderer's (Hermes for chat templates, plain for the tiny model)."""
 
     def __post_init__(self) -> None:
+        if not self.rewards and self.environment_factory is not None:
+            self.rewards = [env_reward]
         if not self.rewards:
             raise ValueError(f"task {self.name!r} has no reward function")
+        if self.environment_factory is not None and not callable(self.environment_factory):
+            raise TypeError(f"task {self.name!r}: environment_factory {self.environment_factory!r} is not callable")
+        for fn in self.tools:
+            if not callable(fn):
+                raise TypeError(f"task {self.name!r}: tool {fn!r} is not callable")
         for fn in self.rewards:
             if not callable(fn):
                 raise TypeError(f"task {self.name!r}: reward {fn!r} is not callable")
@@ -73,6 +100,11 @@ class Task:
             raise ValueError(f"task {self.name!r}: {len(self.weights)} weights for {len(self.rewards)} reward functions")
         if self.names is not None and len(self.names) != len(self.rewards):
             raise ValueError(f"task {self.name!r}: {len(self.names)} names for {len(self.rewards)} reward functions")
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the task trains on multi-turn episodes (it has tools or an environment)."""
+        return bool(self.tools) or self.environment_factory is not None
 
     def load(self, split: str, n: int, seed: int = 0) -> list[Problem]:
         """The split's problems, checked: a task that returns none (or not ``Problem`` rows) raises."""
@@ -96,8 +128,13 @@ class Task:
     def describe(self) -> dict:
         """What ``config.json`` records about the task."""
         sc = self.scorer()
-        return {"name": self.name, "rewards": [reward_name(f) for f in self.rewards], "components": sc.names,
-                "weights": sc.weights, "instruction": self.instruction, "correct_at": self.correct_at}
+        out = {"name": self.name, "rewards": [reward_name(f) for f in self.rewards], "components": sc.names,
+               "weights": sc.weights, "instruction": self.instruction, "correct_at": self.correct_at}
+        if self.multi_turn:
+            out.update(tools=[reward_name(f) for f in self.tools],
+                       tool_parser=self.tool_parser if isinstance(self.tool_parser, str | None) else reward_name(type(self.tool_parser)),
+                       environment=reward_name(self.environment_factory) if self.environment_factory else None)
+        return out
 
 
 @dataclass(frozen=True)
@@ -188,9 +225,22 @@ class Scorer:
                                 reasons[i] or reason, bool(ok), bool(lenient), errors[i]))
         return scores
 
-    def score_problems(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Score]:
-        """:meth:`score` with the prompts and columns taken from the problems (one per completion)."""
-        return self.score([p.question for p in problems], completions, problem_columns(problems))
+    def score_problems(self, problems: Sequence[Problem], completions: Sequence[str],
+                       extra: dict[str, list] | None = None) -> list[Score]:
+        """:meth:`score` with the prompts and columns taken from the problems (one per completion),
+        plus ``extra`` columns (a multi-turn task's ``environments``, ``env_reward``, ``episodes``)."""
+        cols = problem_columns(problems)
+        for k, v in (extra or {}).items():
+            if k in cols:
+                raise ValueError(f"problem column {k!r} clashes with the multi-turn column of that name; rename it")
+            cols[k] = list(v)
+        return self.score([p.question for p in problems], completions, cols)
+
+
+def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
+    """The environments' own rewards (``get_reward()``, recorded when each episode ended): the
+    reward of a task that has an environment and no reward functions."""
+    return list(env_reward) if env_reward is not None else [None] * len(completions)
 
 
 def problem_columns(problems: Sequence[Problem]) -> dict[str, list]:
