@@ -258,9 +258,10 @@ class EpisodeRunner:
     tool functions; ``environment_factory`` makes one environment per episode (TRL's shape)."""
 
     def __init__(self, engine: TurnEngine, renderer: Renderer, *, tools: Sequence[Callable] = (),
-                 environment_factory: Callable[[], Any] | None = None, cfg: EpisodeConfig = EpisodeConfig(),
+                 environment_factory: Callable[[], Any] | None = None, cfg: EpisodeConfig | None = None,
                  prompt_format: PromptFormat | None = None, tool_parser=None, temperature: float = 1.0) -> None:
         self.engine, self.renderer, self.tools, self.factory = engine, renderer, list(tools), environment_factory
+        cfg = cfg or EpisodeConfig()
         self.cfg, self.fmt = cfg, prompt_format or PromptFormat()
         self.turn_tokens = cfg.max_turn_tokens or DEFAULT_TURN_TOKENS
         self.temperature = temperature
