@@ -5,6 +5,7 @@
 ``"gsm8k"``             GSM8K, scored by the ``####`` reward (:mod:`.gsm8k`)
 ``"math"``              final answers checked with math-verify (:mod:`.math`)
 ``"code"``              HumanEval, the completion's code run against the tests in a sandbox (:mod:`.code`)
+``"guess_number"``      multi-turn: find a hidden number with a ``guess`` tool (higher/lower), :mod:`.guess`
 ``"pkg.module:fn"``     ``fn(**options)`` returns a :class:`Task`
 ======================  ===============================================================
 
@@ -15,6 +16,7 @@ JSONL/parquet file or a hub id) and reward functions, e.g. in a notebook cell.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from .base import RewardFn, Score, Scorer, Task, problem_columns, reward_name
@@ -25,6 +27,7 @@ BUILTIN = {
     "gsm8k": "grpo_kit.tasks.gsm8k:task",
     "math": "grpo_kit.tasks.math:task",
     "code": "grpo_kit.tasks.code:task",
+    "guess_number": "grpo_kit.tasks.guess:task",
 }
 
 __all__ = ["BUILTIN", "RewardFn", "Score", "Scorer", "Task", "for_config", "from_rows", "load_callable",
@@ -101,5 +104,4 @@ def for_config(cfg, task: Task | None = None) -> Task:
         return task
     names = list(task.names) if task.names is not None else [getattr(f, "__name__", f"reward{i}") for i, f in enumerate(task.rewards)]
     names += [getattr(f, "__name__", f"extra{i}") for i, f in enumerate(extra)]
-    return Task(task.name, task.problems, [*task.rewards, *extra], weights=weights, instruction=task.instruction,
-                correct_at=task.correct_at, names=names)
+    return dataclasses.replace(task, rewards=[*task.rewards, *extra], weights=weights, names=names)
