@@ -257,26 +257,32 @@ def test_resume_after_driver_death(tmp_path, client):
     assert _chain(store) == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic"])
-def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, dynamic):
+@pytest.mark.parametrize("dynamic,multi_turn", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "dynamic", "multi-turn-dynamic"])
+def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, dynamic, multi_turn):
     """Killed after an iteration and resumed on trainer workers that lost their state (adapter and
     optimizer state reloaded from the store, as after a restart), a pipelined run ends where the
     uninterrupted run ends. With dynamic sampling the kill comes after an iteration that carried
     groups over: the resumed run regenerates them, over-samples by the same running usable share, and
-    so draws and trains the same prompts and completions. (Restarting the worker processes
+    so draws and trains the same prompts and completions; with multi-turn episodes (a TRL-shaped
+    environment, every turn a tool call) the resumed run replays the same episodes, token for token
+    in effect (same texts, rewards and tool counts). (Restarting the worker processes
     themselves, with Client.restart_workers, timed out once in a fresh-clone run, with a nanny that
     did not bring its worker back in 120 s.)"""
     import torch
     from safetensors.torch import load_file
 
-    from grpo_kit import trainer
+    from grpo_kit import testing, trainer
     from grpo_kit.testing import assert_run_exact
 
     kw = dict(iterations=4, world_size=1)
     if dynamic:  # one batch ahead within max_staleness=2: the pipelined batch's surplus is carried
         kw.update(iterations=5, dynamic_sampling=True, max_gen_batches=3, max_staleness=2, pipeline_depth=1)
+    if multi_turn:
+        kw.update(max_turns=3, max_turn_tokens=24, max_episode_tokens=100)
+    task = testing.notes_task() if multi_turn else None
     full = _cfg(tmp_path, run_dir=str(tmp_path / "full"), **kw)
-    full_res = loop.run(full, client=client, progress=False)
+    full_res = loop.run(full, client=client, progress=False, task=task)
     kill = 1
     if dynamic:
         carried = [r["iteration"] for r in full_res.records[:-1] if r["carried_out_groups"]]
@@ -289,18 +295,22 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, 
             raise _Stop
 
     with pytest.raises(_Stop):
-        loop.run(part, client=client, callbacks=[die_after], progress=False)
+        loop.run(part, client=client, callbacks=[die_after], progress=False, task=task)
     dropped = client.run(trainer.drop_state, workers=cl.workers_with(client, cl.TRAINER))
     assert list(dropped.values()) == [True, True]
-    res = loop.run(part, client=client, resume=True, progress=False)
+    res = loop.run(part, client=client, resume=True, progress=False, task=task)
     if not dynamic:
         assert [r["rollout_version"] for r in res.records] == [0, 0, 1, 2]  # the pending batch's version too
     same = ("iteration", "version", "rollout_version", "generated_groups", "trained_groups", "carried_in_groups",
             "carried_out_groups", "expired_groups", "gen_batches", "reward_mean")
     assert [{k: r[k] for k in same} for r in res.records] == [{k: r[k] for k in same} for r in full_res.records]
-    keys = ("iteration", "prompt_id", "group_id", "sample_idx", "version", "reward", "text")
+    keys = ("iteration", "prompt_id", "group_id", "sample_idx", "version", "reward", "text", "completion_tokens")
+    keys += ("episode",) if multi_turn else ()
     rows = [[{k: r[k] for k in keys} for r in _rollouts(tmp_path / d)] for d in ("full", "part")]
-    assert rows[0] == rows[1]  # the same prompts drawn, the same completions
+    assert rows[0] == rows[1]  # the same prompts drawn, the same completions (episodes)
+    if multi_turn:
+        # the run did replay multi-turn episodes (about a quarter had two turns or more when written)
+        assert sum(r["episode"]["turns"] >= 2 and r["episode"]["env_tokens"] > 0 for r in rows[0]) >= len(rows[0]) // 8
     a, b = AdapterStore(full.run.store_root), AdapterStore(part.run.store_root)
     assert_run_exact(tmp_path / "full", full, a)
     assert_run_exact(tmp_path / "part", part, b)
