@@ -238,4 +238,4 @@ def notes_task(n_problems: int = 64):
         return data.synthetic_problems(min(n, n_problems), split=split, seed=seed)
 
     return Task("notes", problems, [env_reward], environment_factory=Notes, tool_parser=CallEveryTurn(),
-                correct_at=3.0)
+                correct_at=2.0)
