@@ -48,7 +48,8 @@ COLORS = {
     "turns": _C[0],
     "tool_calls": _C[2],
     "tool_errors": _C[1],
-    "tool_rate": _C[2],
+    "tool_rate": _C[5],
+    "eval_tool_rate": _C[3],
     "model_tokens": _C[0],
     "env_tokens": _C[9],
     "answered": _C[2],
@@ -474,9 +475,11 @@ def episodes_data(records: Sequence[Record]) -> list[Arrays]:
 
 
 def episodes_figure(records: Sequence[Record]) -> go.Figure:
-    """Multi-turn episodes: model turns (mean, max), tool calls and failed calls per episode; the share
-    of episodes that called a tool (the batch's, held-out greedy episodes', the base model's); failed
-    calls by kind."""
+    """Multi-turn episodes: model turns, tool calls and failed calls per episode; who called a tool; failures by kind.
+
+    Turns per episode as mean and max; the share of episodes that called a tool in the batch, in the
+    held-out greedy episodes of each version (at the step that made it) and the base model's; failed
+    calls by kind (:data:`grpo_kit.tools.ERROR_KINDS`), stacked."""
     turns, turns_max, calls, errors, rate, ev_rate, base_rate, *kinds = episodes_data(records)
     fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
                         subplot_titles=("per episode", "episodes that called a tool", "failed tool calls by kind"))
@@ -485,11 +488,11 @@ def episodes_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(_line(calls, "tool calls", COLORS["tool_calls"]), row=1, col=1)
     fig.add_trace(_line(errors, "tool errors", COLORS["tool_errors"]), row=1, col=1)
     fig.add_trace(_line(rate, "tool rate", COLORS["tool_rate"]), row=2, col=1)
-    fig.add_trace(_line(ev_rate, "held-out tool rate", COLORS["eval_acc"]), row=2, col=1)
+    fig.add_trace(_line(ev_rate, "held-out tool rate", COLORS["eval_tool_rate"]), row=2, col=1)
     fig.add_trace(go.Scatter(**base_rate, name="base tool rate", mode="lines",
                              line=dict(color=COLORS["base"], dash="dash")), row=2, col=1)
     for k, (kind, arr) in enumerate(zip(_error_kinds(records), kinds, strict=True)):
-        fig.add_trace(go.Bar(**arr, name=f"error: {kind}", marker_color=_C[(k + 3) % len(_C)]), row=3, col=1)
+        fig.add_trace(go.Bar(**arr, name=f"error: {kind}", marker_color=_C[(k + 6) % len(_C)]), row=3, col=1)
     _style(fig, "Episodes: turns and tool calls", 760, barmode="stack")
     fig.update_xaxes(title_text="iteration", row=3, col=1)
     fig.update_yaxes(title_text="count", rangemode="tozero", row=1, col=1)
@@ -505,9 +508,10 @@ def episode_ends_data(records: Sequence[Record]) -> list[Arrays]:
 
 
 def episode_ends_figure(records: Sequence[Record]) -> go.Figure:
-    """Multi-turn episodes: tokens per episode the policy sampled against those the environment (and
-    the chat template) added, and how the batch's episodes ended (answered, out of turns, out of
-    tokens, or an environment error)."""
+    """Multi-turn episodes: tokens the policy sampled against the environment's, and how the episodes ended.
+
+    Tokens per episode: the model's (trained on) and the environment's and chat template's between
+    the turns (not trained on); endings: answered, out of turns, out of tokens, or an environment error."""
     model, env, *ends = episode_ends_data(records)
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
                         subplot_titles=("tokens per episode", "how the episodes ended"))

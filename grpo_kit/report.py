@@ -77,14 +77,15 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
     def episodes() -> dict[str, Any]:  # a multi-turn run's rows; a single-turn run has none
         if not any("turns_mean" in r for r in records):
             return {}
-        ends = {k: total(k) for k in ("end_answered", "end_max_turns", "end_budget", "end_error")}
+        ends = {f"episodes ended: {k.removeprefix('end_')}": total(k)
+                for k in ("end_answered", "end_max_turns", "end_budget", "end_error")}
         return {
             "final turns per episode": last_number(records, "turns_mean"),
             "final tool calls per episode": last_number(records, "tool_calls_mean"),
             "final tool rate": last_number(records, "tool_rate"),
             "tool errors per episode (run)": _per_episode(records, "tool_errors_mean"),
             "environment tokens": total("env_tokens"),
-            "episode ends": {k.removeprefix("end_"): v for k, v in ends.items()},
+            **{k: None if v is None else int(v) for k, v in ends.items()},
         }
 
     return {
