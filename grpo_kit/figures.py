@@ -10,7 +10,7 @@ of the contract (the tests look them up).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import plotly.graph_objects as go
@@ -45,6 +45,17 @@ COLORS = {
     "usable": _C[2],
     "cost": _C[4],
     "workers": _C[6],
+    "turns": _C[0],
+    "tool_calls": _C[2],
+    "tool_errors": _C[1],
+    "tool_rate": _C[5],
+    "eval_tool_rate": _C[3],
+    "model_tokens": _C[0],
+    "env_tokens": _C[9],
+    "answered": _C[2],
+    "max_turns": _C[4],
+    "budget": _C[1],
+    "error": "#444444",
 }
 # The title sits at the top edge of the figure and the legend at its bottom edge, under the x axis
 # title: a legend that wraps onto more rows at a narrow width (JupyterLab's output area, the report
@@ -398,6 +409,124 @@ def usable_figure(records: Sequence[Record]) -> go.Figure:
     return fig
 
 
+# ---------------------------------------------------------------- multi-turn episodes
+
+END_REASON_KEYS = ("end_answered", "end_max_turns", "end_budget", "end_error")
+"""The records' end-reason counts, bottom to top in the stacked bars."""
+
+
+def has_episodes(records: Sequence[Record]) -> bool:
+    """Whether the records are a multi-turn run's: some batch held episodes (:data:`EPISODE_FIGURES`)."""
+    return any((number(r.get("episodes")) or 0) > 0 for r in records)
+
+
+def _errors_by_kind(r: Record) -> Mapping[str, Any]:
+    by_kind = r.get("tool_errors_by_kind")
+    return by_kind if isinstance(by_kind, Mapping) else {}
+
+
+def _error_kinds(records: Sequence[Record]) -> list[str]:
+    kinds: list[str] = []
+    for r in records:
+        for kind in _errors_by_kind(r):
+            if kind not in kinds:
+                kinds.append(kind)
+    return kinds
+
+
+def _evals_of(records: Sequence[Record]) -> list[Mapping[str, Any]]:
+    """Every evaluation result the records carry (``MetricsRecord.evals``), duplicates dropped."""
+    out: list[Mapping[str, Any]] = []
+    for r in records:
+        evs = r.get("evals")
+        for ev in evs if isinstance(evs, list) else ():
+            if isinstance(ev, Mapping) and ev not in out:
+                out.append(ev)
+    return out
+
+
+def _eval_points(records: Sequence[Record], key: str) -> Arrays:
+    """A held-out episode measure of each adapter version, at the step that made it (as :func:`eval_series`)."""
+    pts = sorted({(ev["version"] - 1, y) for ev in _evals_of(records)
+                  if isinstance(ev.get("version"), int) and ev["version"] > 0 and (y := number(ev.get(key))) is not None})
+    return {"x": [p[0] for p in pts], "y": [p[1] for p in pts]}
+
+
+def _base_line(records: Sequence[Record], key: str) -> Arrays:
+    """The base model's held-out ``key`` (its evaluation, version 0) as a line across the iterations."""
+    base = next((y for ev in _evals_of(records) if ev.get("version") == 0 and (y := number(ev.get(key))) is not None),
+                None)
+    xs = [iteration_of(r, i) for i, r in enumerate(records)] if base is not None else []
+    bx = [min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1] if xs else []
+    return {"x": bx, "y": [base] * len(bx)}
+
+
+def episodes_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`episodes_figure`."""
+    kinds = [_xy(series(records, lambda r, k=kind: _errors_by_kind(r).get(k)))
+             for kind in _error_kinds(records)]
+    return [
+        *(_xy(series(records, k)) for k in ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_mean")),
+        _xy(series(records, "tool_rate")),
+        _eval_points(records, "tool_rate"),
+        _base_line(records, "tool_rate"),
+        *kinds,
+    ]
+
+
+def episodes_figure(records: Sequence[Record]) -> go.Figure:
+    """Multi-turn episodes: model turns, tool calls and failed calls per episode; who called a tool; failures by kind.
+
+    Turns per episode as mean and max; the share of episodes that called a tool in the batch, in the
+    held-out greedy episodes of each version (at the step that made it) and the base model's; failed
+    calls by kind (:data:`grpo_kit.tools.ERROR_KINDS`), stacked."""
+    turns, turns_max, calls, errors, rate, ev_rate, base_rate, *kinds = episodes_data(records)
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07,
+                        subplot_titles=("per episode", "episodes that called a tool", "failed tool calls by kind"))
+    fig.add_trace(_line(turns, "turns mean", COLORS["turns"]), row=1, col=1)
+    fig.add_trace(_line(turns_max, "turns max", COLORS["turns"], dash="dot"), row=1, col=1)
+    fig.add_trace(_line(calls, "tool calls", COLORS["tool_calls"]), row=1, col=1)
+    fig.add_trace(_line(errors, "tool errors", COLORS["tool_errors"]), row=1, col=1)
+    fig.add_trace(_line(rate, "tool rate", COLORS["tool_rate"]), row=2, col=1)
+    fig.add_trace(_line(ev_rate, "held-out tool rate", COLORS["eval_tool_rate"]), row=2, col=1)
+    fig.add_trace(go.Scatter(**base_rate, name="base tool rate", mode="lines",
+                             line=dict(color=COLORS["base"], dash="dash")), row=2, col=1)
+    for k, (kind, arr) in enumerate(zip(_error_kinds(records), kinds, strict=True)):
+        fig.add_trace(go.Bar(**arr, name=f"error: {kind}", marker_color=_C[(k + 6) % len(_C)]), row=3, col=1)
+    _style(fig, "Episodes: turns and tool calls", 760, barmode="stack")
+    fig.update_xaxes(title_text="iteration", row=3, col=1)
+    fig.update_yaxes(title_text="count", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="share", range=[-0.02, 1.02], tickformat=".0%", row=2, col=1)
+    fig.update_yaxes(title_text="failed calls", rangemode="tozero", row=3, col=1)
+    return fig
+
+
+def episode_ends_data(records: Sequence[Record]) -> list[Arrays]:
+    """Trace arrays of :func:`episode_ends_figure`."""
+    keys = ("model_tokens_mean", "env_tokens_mean", "end_answered", "end_max_turns", "end_budget", "end_error")
+    return [_xy(series(records, k)) for k in keys]
+
+
+def episode_ends_figure(records: Sequence[Record]) -> go.Figure:
+    """Multi-turn episodes: tokens the policy sampled against the environment's, and how the episodes ended.
+
+    Tokens per episode: the model's (trained on) and the environment's and chat template's between
+    the turns (not trained on); endings: answered, out of turns, out of tokens, or an environment error."""
+    model, env, *ends = episode_ends_data(records)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1,
+                        subplot_titles=("tokens per episode", "how the episodes ended"))
+    fig.add_trace(_line(model, "model tokens", COLORS["model_tokens"]), row=1, col=1)
+    fig.add_trace(_line(env, "environment tokens", COLORS["env_tokens"]), row=1, col=1)
+    for key, arr in zip(END_REASON_KEYS, ends, strict=True):
+        reason = key.removeprefix("end_")
+        fig.add_trace(go.Bar(**arr, name=reason.replace("_", " "), marker_color=COLORS[reason]), row=2, col=1)
+    _style(fig, "Episodes: tokens and endings", 560, barmode="stack")
+    fig.update_xaxes(title_text="iteration", row=2, col=1)
+    fig.update_yaxes(title_text="tokens", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="episodes", rangemode="tozero", row=2, col=1)
+    return fig
+
+
 FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
     "reward": reward_figure,
     "drift": drift_figure,
@@ -420,7 +549,24 @@ FIGURE_DATA: dict[str, Callable[[Sequence[Record]], list[Arrays]]] = {
 }
 """The trace arrays of each figure of :data:`FIGURES`, in trace order (what a live update copies)."""
 
+EPISODE_FIGURES: dict[str, Callable[[Sequence[Record]], go.Figure]] = {
+    "episodes": episodes_figure,
+    "episode_ends": episode_ends_figure,
+}
+"""The figures of a multi-turn run (:func:`has_episodes`), drawn after :data:`FIGURES`."""
+
+EPISODE_FIGURE_DATA: dict[str, Callable[[Sequence[Record]], list[Arrays]]] = {
+    "episodes": episodes_data,
+    "episode_ends": episode_ends_data,
+}
+"""The trace arrays of each figure of :data:`EPISODE_FIGURES`."""
+
+
+def figure_builders(records: Sequence[Record]) -> dict[str, Callable[[Sequence[Record]], go.Figure]]:
+    """The figures these records get: :data:`FIGURES`, and :data:`EPISODE_FIGURES` for a multi-turn run."""
+    return {**FIGURES, **(EPISODE_FIGURES if has_episodes(records) else {})}
+
 
 def all_figures(records: Sequence[Record]) -> dict[str, go.Figure]:
-    """Every figure of :data:`FIGURES`, built from the same records."""
-    return {name: build(records) for name, build in FIGURES.items()}
+    """Every figure of :func:`figure_builders`, built from the same records."""
+    return {name: build(records) for name, build in figure_builders(records).items()}

@@ -4,7 +4,8 @@ record built from them (its keys and their meaning: :class:`grpo_kit.records.Met
 :func:`iteration_record` is a pure function of a :class:`Batch` (what generation delivered: every
 chunk's summary, the groups generated and those picked for training, their version lags) and a
 :class:`Step` (the trainer gang's statistics and timings); the driver (:mod:`grpo_kit.loop`) adds the
-evaluations that finish and the loop's wall time when it commits the iteration.
+evaluations that finish and the loop's wall time when it commits the iteration. A multi-turn run's
+record adds its episodes' counts (:func:`episode_metrics`); a single-turn run's has none of those keys.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import Config
+from .episode import END_REASONS
 from .records import MetricsRecord
 from .rollout import RolloutSummary
 from .sampling import Group, usable_cost, usable_samples
@@ -157,7 +159,36 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
             "t_iter_end": iter_end,
             "iter_s": iter_end - t_iter,
             "spans": spans,
+            **episode_metrics(rollouts),
         }
+
+
+def episode_metrics(rollouts: list[RolloutSummary]) -> dict:
+    """The batch's multi-turn episode counts (:attr:`~grpo_kit.rollout.Scored.episode`), per episode
+    where they are means; ``{}`` when no completion is an episode (a single-turn run's record has
+    none of these keys). An end reason outside :data:`~grpo_kit.episode.END_REASONS` is counted in none."""
+    eps = [r.episode for r in rollouts if r.episode is not None]
+    if not eps:
+        return {}
+    n = len(eps)
+    kinds: dict[str, int] = {}
+    for e in eps:
+        for kind, c in (e.get("tool_errors") or {}).items():
+            kinds[kind] = kinds.get(kind, 0) + c
+    env_tokens = sum(e.get("env_tokens") or 0 for e in eps)
+    return {
+        "episodes": n,
+        "turns_mean": sum(e.get("turns") or 0 for e in eps) / n,
+        "turns_max": max(e.get("turns") or 0 for e in eps),
+        "tool_rate": sum((e.get("tool_calls") or 0) > 0 for e in eps) / n,
+        "tool_calls_mean": sum(e.get("tool_calls") or 0 for e in eps) / n,
+        "tool_errors_mean": sum(kinds.values()) / n,
+        "tool_errors_by_kind": kinds,
+        "model_tokens_mean": sum(e.get("model_tokens") or 0 for e in eps) / n,
+        "env_tokens_mean": env_tokens / n,
+        "env_tokens": env_tokens,
+        **{f"end_{reason}": sum(e.get("end_reason") == reason for e in eps) for reason in END_REASONS},
+    }
 
 
 def component_means(rollouts: list[RolloutSummary]) -> dict:
@@ -183,6 +214,11 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
     final_version = state["version"]
     ratios, clips, kls = (series(records, k)[1] for k in ("ratio_mean", "clip_frac", "kl_mean"))
     evs = [e for e in state["evals"] if e["version"] == final_version]
+    base = [e for e in state["evals"] if e["version"] == 0]
+    # multi-turn runs' evaluations measure the episodes too; a single-turn run's summary has no such keys
+    episodes = {f"{k}_{when}": (es[-1].get(k) if es else None)
+                for k in ("tool_rate", "turns_mean") for when, es in (("before", base), ("after", evs))
+                } if any("tool_rate" in e for e in state["evals"]) else {}
     return {
         "acc_before": state["base_acc"],
         "acc_after": evs[-1]["acc"] if evs else None,
@@ -201,4 +237,5 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
         "startup_s": startup_s,
         "warm_up_s": warm_up_s,
         "preflight": preflight,
+        **episodes,
     }

@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from .rollout import RolloutSummary
 
 # ---------------------------------------------------------------- the schema
 
@@ -59,6 +62,38 @@ class EvalResult(TypedDict, total=False):
     """Unix time it ended."""
     iteration: int
     """The iteration that submitted it (-1: the base model's, before the first)."""
+    # a multi-turn task's evaluation (one greedy episode per problem); absent for a single-turn task
+    tool_rate: float
+    """Share of the episodes that called a tool."""
+    turns_mean: float
+    """Model turns per episode."""
+    tool_errors: int
+    """Tool calls that failed (any kind), summed over the episodes."""
+
+
+class EpisodeAccount(TypedDict):
+    """A multi-turn completion's account (:func:`grpo_kit.episode.summary`; ``RolloutSummary.episode``
+    in ``rollouts.jsonl``, :attr:`Sample.episode`)."""
+
+    turns: int
+    """Model turns."""
+    tool_calls: int
+    """Tool calls answered (good or not)."""
+    tool_errors: dict[str, int]
+    """Failed calls by kind (:data:`grpo_kit.tools.ERROR_KINDS`)."""
+    end_reason: str
+    """``answered``, ``max_turns``, ``budget`` or ``error`` (:data:`grpo_kit.episode.END_REASONS`)."""
+    model_tokens: int
+    """Tokens the policy sampled."""
+    env_tokens: int
+    """Environment and template tokens between the model's turns (not trained on)."""
+    env_reward: float | None
+    """The environment's ``get_reward()`` (None without one, or when it raised)."""
+    error: str | None
+    """What raised (the environment's ``reset``, the rendering of its answers, ``get_reward``)."""
+    messages: list[dict]
+    """The conversation after the prompt: ``{"role": "assistant", "content"}`` for the model's turns,
+    ``{"role": "tool", "name", "content"}`` for the environment's answers."""
 
 
 class Sample(TypedDict):
@@ -76,6 +111,8 @@ class Sample(TypedDict):
     """The reference answer."""
     version: int
     """The adapter version that generated it."""
+    episode: NotRequired[EpisodeAccount]
+    """A multi-turn completion's episode (absent for a single-turn one)."""
 
 
 class MetricsRecord(TypedDict, total=False):
@@ -233,11 +270,59 @@ class MetricsRecord(TypedDict, total=False):
     """Wall time of the loop so far, summed over resumed sessions."""
     spans: list[Span]
     """Timed pieces of work: this iteration's generation, training, publishing, and evaluations that finished."""
+    # multi-turn episodes (grpo_kit.metrics.episode_metrics): present only when the batch's completions
+    # are episodes; "per episode" is a mean over the batch's episodes
+    episodes: int
+    """Completions of the batch that are multi-turn episodes."""
+    turns_mean: float
+    """Model turns per episode."""
+    turns_max: int
+    """The most turns an episode took."""
+    tool_rate: float
+    """Share of the episodes that called a tool."""
+    tool_calls_mean: float
+    """Tool calls per episode (good or not)."""
+    tool_errors_mean: float
+    """Failed tool calls per episode."""
+    tool_errors_by_kind: dict[str, int]
+    """Failed tool calls by kind (:data:`grpo_kit.tools.ERROR_KINDS`), summed over the episodes."""
+    model_tokens_mean: float
+    """Tokens the policy sampled per episode (their sum is ``completion_tokens``)."""
+    env_tokens_mean: float
+    """Environment and template tokens per episode (in the streams, not trained on)."""
+    env_tokens: int
+    """Environment and template tokens, summed over the episodes."""
+    end_answered: int
+    """Episodes that ended on a turn without a tool call."""
+    end_max_turns: int
+    """Episodes whose last allowed turn still called tools."""
+    end_budget: int
+    """Episodes that ran out of tokens (a turn's limit, ``max_episode_tokens`` or the context)."""
+    end_error: int
+    """Episodes the environment broke (``reset`` or the rendering of its answers raised)."""
 
 
 def schema_keys() -> frozenset[str]:
-    """Every key the record types declare (metrics, spans, evaluations, samples)."""
-    return frozenset().union(*(t.__annotations__ for t in (MetricsRecord, Span, EvalResult, Sample)))
+    """Every key the record types declare (metrics, spans, evaluations, samples, episode accounts)."""
+    return frozenset().union(*(t.__annotations__ for t in (MetricsRecord, Span, EvalResult, Sample, EpisodeAccount)))
+
+
+SAMPLES_PER_ITERATION = 3
+"""Completions of each iteration kept in ``samples.jsonl``."""
+
+
+def samples_of(iteration: int, rollouts: Sequence[RolloutSummary]) -> list[Sample]:
+    """The :class:`Sample` s of an iteration for ``samples.jsonl``: three completions spread over the
+    batch, each with its episode (:class:`EpisodeAccount`) when it is a multi-turn one."""
+    picked = rollouts[:: max(1, len(rollouts) // SAMPLES_PER_ITERATION)][:SAMPLES_PER_ITERATION]
+    out: list[Sample] = []
+    for r in picked:
+        sample: Sample = {"iteration": iteration, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
+                          "gold": r.gold, "version": r.version}
+        if r.episode is not None:
+            sample["episode"] = r.episode
+        out.append(sample)
+    return out
 
 
 # ---------------------------------------------------------------- the run directory

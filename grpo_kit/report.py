@@ -1,7 +1,10 @@
 """The HTML report of a run: one self-contained file that opens offline (plotly.js inlined once).
 
-It holds every figure of :data:`grpo_kit.figures.FIGURES`, the run's headline numbers
-(:func:`final_numbers`, and ``summary.json``), a few sampled completions and ``config.json``.
+It holds every figure of :data:`grpo_kit.figures.FIGURES` (and, for a multi-turn run, of
+:data:`~grpo_kit.figures.EPISODE_FIGURES`), the run's headline numbers (:func:`final_numbers`, and
+``summary.json``), a few sampled completions (a multi-turn one as its conversation, the environment's
+turns set apart from the model's) and ``config.json``. Everything a policy or an environment wrote is
+escaped: a completion is hostile text.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .figures import FIGURES, all_figures
+from .figures import all_figures, figure_builders
 from .records import load_run, run_files
-from .series import Record, all_spans, last_number, series, thin_records
+from .series import Record, all_spans, last_number, number, series, thin_records
 
 REPORT_MAX_POINTS = 3000
 """Points per series the HTML report draws at most: every iteration of a 3,000-iteration run."""
@@ -71,6 +74,20 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
     def lenient(name: str, key: str) -> dict[str, Any]:  # runs from before lenient grading have no such key
         return {name: last_number(records, key)} if any(key in r for r in records) else {}
 
+    def episodes() -> dict[str, Any]:  # a multi-turn run's rows; a single-turn run has none
+        if not any("turns_mean" in r for r in records):
+            return {}
+        ends = {f"episodes ended: {k.removeprefix('end_')}": total(k)
+                for k in ("end_answered", "end_max_turns", "end_budget", "end_error")}
+        return {
+            "final turns per episode": last_number(records, "turns_mean"),
+            "final tool calls per episode": last_number(records, "tool_calls_mean"),
+            "final tool rate": last_number(records, "tool_rate"),
+            "tool errors per episode (run)": _per_episode(records, "tool_errors_mean"),
+            "environment tokens": total("env_tokens"),
+            **{k: None if v is None else int(v) for k, v in ends.items()},
+        }
+
     return {
         "iterations": len(records),
         "adapter version": last_number(records, "version"),
@@ -89,7 +106,16 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
         "tokens": total("tokens"),
         "mean iteration (s)": sum(iter_s) / len(iter_s) if iter_s else None,
         "wall time (s)": max(s[3] for s in spans) - min(s[2] for s in spans) if spans else None,
+        **episodes(),
     }
+
+
+def _per_episode(records: Sequence[Record], key: str) -> float | None:
+    """A per-episode mean over the whole run: each record's mean weighted by its episodes."""
+    pairs = [(number(r.get(key)), number(r.get("episodes"))) for r in records]
+    pairs = [(m, n) for m, n in pairs if m is not None and n]
+    n = sum(p[1] for p in pairs)
+    return sum(m * k for m, k in pairs) / n if n else None
 
 
 def _table(rows: Mapping[str, Any], cls: str) -> str:
@@ -116,6 +142,38 @@ def _clip(text: Any, limit: int = 2000) -> str:
     return s if len(s) <= limit else s[:limit] + " …"
 
 
+EPISODE_MAX_MESSAGES = 40
+"""Messages of a sampled episode the report shows at most (the first ones; the rest are counted)."""
+
+
+def _episode_html(ep: Mapping[str, Any]) -> str:
+    """A sampled episode as its conversation after the prompt: the model's turns and, set apart, the
+    environment's answers (``role`` ``"tool"``), each escaped; its counts above them."""
+    msgs = [m for m in ep.get("messages") or () if isinstance(m, Mapping)]
+    facts = ", ".join(f"{k.replace('_', ' ')} {format_number(ep.get(k))}"
+                      for k in ("turns", "tool_calls", "end_reason", "model_tokens", "env_tokens", "env_reward")
+                      if ep.get(k) is not None)
+    errors = ep.get("tool_errors")
+    if isinstance(errors, Mapping) and errors:
+        facts += ", tool errors " + ", ".join(f"{k} {format_number(v)}" for k, v in errors.items())
+    turns = []
+    for m in msgs[:EPISODE_MAX_MESSAGES]:
+        env = m.get("role") == "tool"
+        who = f"environment · {_clip(m.get('name'), 80)}" if env and m.get("name") else "environment" if env else (
+            "model" if m.get("role") == "assistant" else _clip(m.get("role"), 40))
+        turns.append(f'<div class="turn {"turn-env" if env else "turn-model"}"><div class="who">{html.escape(who)}</div>'
+                     f"<pre>{html.escape(_clip(m.get('content')))}</pre></div>")
+    if len(msgs) > EPISODE_MAX_MESSAGES:
+        turns.append(f'<p class="none">{len(msgs) - EPISODE_MAX_MESSAGES} more messages</p>')
+    error = f'<p class="ep-error">{html.escape(_clip(ep.get("error"), 500))}</p>' if ep.get("error") else ""
+    return f'<div class="episode"><p class="meta">{html.escape(facts)}</p>{error}{"".join(turns)}</div>'
+
+
+def _completion_html(s: Record) -> str:
+    ep = s.get("episode")
+    return _episode_html(ep) if isinstance(ep, Mapping) else f"<pre>{html.escape(_clip(s.get('completion')))}</pre>"
+
+
 def _samples_html(samples: Sequence[Record], n: int) -> str:
     picked = _pick_samples(samples, n)
     if not picked:
@@ -124,7 +182,7 @@ def _samples_html(samples: Sequence[Record], n: int) -> str:
         f"<tr><td>{html.escape(format_number(s.get('iteration')))}</td>"
         f'<td class="num">{html.escape(format_number(s.get("reward")))}</td>'
         f"<td><pre>{html.escape(_clip(s.get('prompt')))}</pre></td>"
-        f"<td><pre>{html.escape(_clip(s.get('completion')))}</pre></td>"
+        f"<td>{_completion_html(s)}</td>"
         f"<td><pre>{html.escape(_clip(s.get('gold')))}</pre></td></tr>"
         for s in picked
     )
@@ -146,20 +204,29 @@ th, td { text-align: left; padding: 4px 12px; border-bottom: 1px solid #eee; ver
 pre { margin: 0; white-space: pre-wrap; word-break: break-word; font-size: 13px; }
 .samples td:nth-child(4) { min-width: 420px; }
 .none { color: #888; }
+.episode .meta { margin: 0 0 6px; font-size: 12px; }
+.turn { margin: 4px 0; padding: 4px 8px; border-left: 3px solid; border-radius: 3px; }
+.turn-model { border-color: #636efa; background: #f5f6ff; }
+.turn-env { border-color: #b8860b; background: #fbf6e9; margin-left: 28px; }
+.turn .who { font-size: 11px; color: #666; text-transform: uppercase; letter-spacing: 0.04em; }
+.ep-error { color: #b00020; font-size: 12px; margin: 0 0 6px; }
 """
 
 
 def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = None, *, n_samples: int = 6) -> Path:
     """Write one self-contained HTML report of a run (default ``<run_dir>/report.html``) and return its path.
 
-    It holds every figure of :data:`FIGURES` (div ids ``fig-<name>``, plotly.js inlined once), the final
-    numbers (from the metrics and ``summary.json``), a few sampled completions and ``config.json``.
+    It holds every figure of :func:`~grpo_kit.figures.figure_builders` (div ids ``fig-<name>``, plotly.js
+    inlined once), the final numbers (from the metrics and ``summary.json``), a few sampled completions
+    (episodes as conversations) and ``config.json``.
     """
     run = load_run(run_dir)
     out = Path(path) if path is not None else run_files(run_dir).report
     records = run["records"]
     sections = []
-    for i, (name, fig) in enumerate(all_figures(thin_records(records, REPORT_MAX_POINTS, REPORT_KEEP_LAST)).items()):
+    view = thin_records(records, REPORT_MAX_POINTS, REPORT_KEEP_LAST)
+    builders = figure_builders(view)
+    for i, (name, fig) in enumerate(all_figures(view).items()):
         div = fig.to_html(
             full_html=False,
             include_plotlyjs=(i == 0),
@@ -168,7 +235,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
             default_height=f"{fig.layout.height or 450}px",
             config={"displaylogo": False, "responsive": True},
         )
-        doc = html.escape((FIGURES[name].__doc__ or "").strip().split("\n")[0])
+        doc = html.escape((builders[name].__doc__ or "").strip().split("\n")[0])
         sections.append(f'<section class="plot" id="section-{name}">{div}<p class="meta">{doc}</p></section>')
     title = html.escape(Path(run_dir).resolve().name)
     written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -77,10 +77,44 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
     return records
 
 
-def make_run(run_dir: Path, n: int = 12, *, partial_last_line: bool = True) -> list[dict]:
-    """A run directory as the loop writes it, caught mid-write: the last metrics line is half there."""
+END_REASONS = ("answered", "max_turns", "budget", "error")
+
+
+def synthetic_episode_records(n: int = 12, **kw) -> list[dict]:
+    """:func:`synthetic_records` of a multi-turn run: 96 episodes per batch that use more tools as
+    the run goes, and evaluations that measure the episodes (the base model's in the first record)."""
+    records = synthetic_records(n, **kw)
+    for i, rec in enumerate(records):
+        ends = {"end_answered": 60 + i, "end_max_turns": 20 - i % 5, "end_budget": 14 - i + i % 5, "end_error": 2}
+        assert sum(ends.values()) == 96 and min(ends.values()) >= 0
+        rec.update(episodes=96, turns_mean=1.5 + 0.1 * i, turns_max=3 + i % 2, tool_rate=0.4 + 0.05 * i,
+                   tool_calls_mean=0.6 + 0.1 * i, tool_errors_mean=0.25 - 0.01 * i,
+                   tool_errors_by_kind={"malformed": 20 - i, "timeout": 4} if i != 5 else {"malformed": 15},
+                   model_tokens_mean=40.0 + i, env_tokens_mean=12.0 + 2 * i, env_tokens=96 * (12 + 2 * i), **ends)
+        evs = [{"version": i + 1, "acc": rec["eval_acc"], "tool_rate": 0.5 + 0.04 * i, "turns_mean": 2.0,
+                "tool_errors": 3}] if rec["eval_acc"] is not None else []
+        if i == 0:
+            evs.insert(0, {"version": 0, "acc": 0.25, "tool_rate": 0.125, "turns_mean": 1.0, "tool_errors": 9})
+        if evs:
+            rec["evals"] = evs
+            rec["eval_version"] = evs[-1]["version"]
+    return records
+
+
+def episode_account(turn: str = "I will note it.", answer: str = "noted 4", **kw) -> dict:
+    """A multi-turn sample's ``episode`` (``grpo_kit.episode.summary``'s keys): two model turns around a tool answer."""
+    return {"turns": 2, "tool_calls": 1, "tool_errors": {"timeout": 1}, "end_reason": "answered", "model_tokens": 30,
+            "env_tokens": 9, "env_reward": 1.0, "error": None,
+            "messages": [{"role": "assistant", "content": turn}, {"role": "tool", "name": "note", "content": answer},
+                         {"role": "assistant", "content": "#### 4"}], **kw}
+
+
+def make_run(run_dir: Path, n: int = 12, *, partial_last_line: bool = True, episodes: bool = False) -> list[dict]:
+    """A run directory as the loop writes it, caught mid-write: the last metrics line is half there.
+    With ``episodes``: a multi-turn run's, whose samples carry their episodes (with :data:`NASTY`
+    in a model turn and in a tool answer)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    records = synthetic_records(n)
+    records = synthetic_episode_records(n) if episodes else synthetic_records(n)
     lines = [json.dumps(r) for r in records]
     if partial_last_line:
         lines.append(json.dumps(synthetic_records(n + 1)[-1])[:57])
@@ -111,6 +145,10 @@ def make_run(run_dir: Path, n: int = 12, *, partial_last_line: bool = True) -> l
         for k in range(4)
     ]
     samples[-1]["completion"] = NASTY
+    if episodes:
+        for s in samples:
+            s["episode"] = episode_account()
+        samples[-1]["episode"] = episode_account(turn=NASTY, answer=NASTY.replace("alert", "steal"))
     (run_dir / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     return records
 

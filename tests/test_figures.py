@@ -6,7 +6,7 @@ import json
 
 import plotly.graph_objects as go
 import pytest
-from synthetic_run import names, synthetic_records, trace
+from synthetic_run import names, synthetic_episode_records, synthetic_records, trace
 
 from grpo_kit import figures, report
 
@@ -191,6 +191,89 @@ def test_figure_data_matches_the_figures():
     records = synthetic_records(12)
     for name, build in figures.FIGURES.items():
         fig, arrays = build(records), figures.FIGURE_DATA[name](records)
+        assert len(fig.data) == len(arrays), name
+        for tr, arr in zip(fig.data, arrays, strict=True):
+            for key, val in arr.items():
+                assert _plain(tr[key] if tr[key] is not None else []) == _plain(val), (name, tr.name, key)
+
+
+# ---------------------------------------------------------------- multi-turn episodes
+
+EPISODE_EXPECTED = {
+    "episodes": {"turns mean", "turns max", "tool calls", "tool errors", "tool rate", "held-out tool rate",
+                 "base tool rate"},  # plus one bar trace per tool error kind the records name
+    "episode_ends": {"model tokens", "environment tokens", "answered", "max turns", "budget", "error"},
+}
+
+
+def test_episode_figures_only_for_a_multi_turn_run():
+    single = figures.all_figures(synthetic_records())
+    assert not set(figures.EPISODE_FIGURES) & set(single)
+    assert not figures.has_episodes(synthetic_records())
+    recs = synthetic_episode_records()
+    figs = figures.all_figures(recs)
+    assert list(figs) == [*figures.FIGURES, "episodes", "episode_ends"]
+    for key in figures.EPISODE_FIGURES:
+        extra = {"error: malformed", "error: timeout"} if key == "episodes" else set()
+        assert names(figs[key]) == EPISODE_EXPECTED[key] | extra, key
+        assert all(len(t.x) > 0 for t in figs[key].data), key
+        title, legend = figs[key].layout.title, figs[key].layout.legend
+        assert (title.yref, title.yanchor, legend.yref, legend.yanchor) == ("container", "top", "container", "bottom")
+
+
+def test_episodes_figure_values():
+    recs = synthetic_episode_records(12)
+    fig = figures.episodes_figure(recs)
+    assert list(trace(fig, "turns mean").y) == pytest.approx([1.5 + 0.1 * i for i in range(12)])
+    assert list(trace(fig, "turns max").y) == [3 + i % 2 for i in range(12)]
+    assert list(trace(fig, "tool calls").y) == pytest.approx([0.6 + 0.1 * i for i in range(12)])
+    assert list(trace(fig, "tool errors").y) == pytest.approx([0.25 - 0.01 * i for i in range(12)])
+    assert trace(fig, "tool rate").yaxis == "y2" and trace(fig, "tool rate").y[0] == pytest.approx(0.4)
+    # held-out tool rate of v4, v8, v12 at the steps that made them; the base model's as a line
+    held = trace(fig, "held-out tool rate")
+    assert held.x == (3, 7, 11) and held.y == pytest.approx((0.5 + 0.04 * 3, 0.5 + 0.04 * 7, 0.5 + 0.04 * 11))
+    base = trace(fig, "base tool rate")
+    assert base.x == (0, 11) and base.y == (0.125, 0.125) and base.line.dash == "dash"
+    malformed, timeout = trace(fig, "error: malformed"), trace(fig, "error: timeout")
+    assert malformed.type == "bar" and malformed.yaxis == "y3" and malformed.y[5] == 15
+    assert 5 not in timeout.x and len(timeout.x) == 11  # no timeout that iteration: a gap, not a zero
+    assert fig.layout.barmode == "stack"
+
+
+def test_episode_ends_figure_values():
+    recs = synthetic_episode_records(12)
+    fig = figures.episode_ends_figure(recs)
+    assert list(trace(fig, "environment tokens").y) == [12.0 + 2 * i for i in range(12)]
+    assert list(trace(fig, "model tokens").y) == [40.0 + i for i in range(12)]
+    ends = [trace(fig, n) for n in ("answered", "max turns", "budget", "error")]
+    assert all(t.type == "bar" and t.yaxis == "y2" for t in ends)
+    assert [sum(t.y[i] for t in ends) for i in range(12)] == [96] * 12  # every episode ended one way
+    assert list(trace(fig, "budget").y) == [r["end_budget"] for r in recs]
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        [],
+        [{"episodes": 4}],
+        [{"iteration": 0, "episodes": 2, "turns_mean": None, "tool_errors_by_kind": "garbage", "evals": "garbage"}],
+        [{"iteration": 0, "episodes": 2, "tool_errors_by_kind": {"raised": None}, "evals": [None, {"version": 0}]},
+         {"episodes": 3, "end_error": float("nan"), "evals": [{"version": 2, "tool_rate": 0.5}]}],
+    ],
+    ids=["empty", "bare", "nulls", "sparse"],
+)
+def test_episode_figures_survive_missing_and_odd_data(records):
+    for key, build in figures.EPISODE_FIGURES.items():
+        fig = build(records)
+        assert EPISODE_EXPECTED[key] <= names(fig), key
+        fig.to_json()
+    report.final_numbers(records)
+
+
+def test_episode_figure_data_matches_the_figures():
+    records = synthetic_episode_records(12)
+    for name, build in figures.EPISODE_FIGURES.items():
+        fig, arrays = build(records), figures.EPISODE_FIGURE_DATA[name](records)
         assert len(fig.data) == len(arrays), name
         for tr, arr in zip(fig.data, arrays, strict=True):
             for key, val in arr.items():

@@ -519,3 +519,13 @@ def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
     assert _chain(AdapterStore(cfg.run.store_root)) == [1, 2, 3]
     evals = [e for r in res.records for e in r.get("evals", [])]
     assert evals and all(0 <= e["tool_rate"] <= 1 and e["turns_mean"] >= 1 for e in evals)
+    # each record counts its batch's episodes (grpo_kit.metrics.episode_metrics); the summary, the tool rate
+    declared = records.schema_keys()
+    assert not {k for r in res.records for k in r} - declared and not {k for e in evals for k in e} - declared
+    for rec in res.records:
+        mine = [e for r, e in zip(rows, eps, strict=True) if r["iteration"] == rec["iteration"]]
+        assert rec["episodes"] == len(mine) and rec["turns_max"] == max(e["turns"] for e in mine)
+        assert rec["turns_mean"] == pytest.approx(sum(e["turns"] for e in mine) / len(mine))
+        assert rec["env_tokens"] == sum(e["env_tokens"] for e in mine)
+        assert rec["end_max_turns"] + rec["end_budget"] == len(mine) and rec["end_answered"] == rec["end_error"] == 0
+    assert res.summary["tool_rate_before"] is not None and 0 <= res.summary["tool_rate_after"] <= 1

@@ -112,3 +112,75 @@ def test_a_run_that_never_trained_summarizes_none():
                           records, 0, None, {}, None)
     assert (summary["ratio_mean"], summary["clip_fraction"], summary["kl_final"]) == (None, None, None)
     strict_json(json.dumps(summary))
+
+
+# ---------------------------------------------------------------- multi-turn episodes
+
+EPISODE_KEYS = {"episodes", "turns_mean", "turns_max", "tool_rate", "tool_calls_mean", "tool_errors_mean",
+                "tool_errors_by_kind", "model_tokens_mean", "env_tokens_mean", "env_tokens", "end_answered",
+                "end_max_turns", "end_budget", "end_error"}
+
+
+def _episode(turns: int, tool_calls: int, end: str, errors: dict | None = None, model: int = 10, env: int = 0) -> dict:
+    """A rollout's ``episode`` as grpo_kit.episode.summary writes it."""
+    return {"turns": turns, "tool_calls": tool_calls, "tool_errors": errors or {}, "end_reason": end,
+            "model_tokens": model, "env_tokens": env, "env_reward": float(tool_calls), "error": None,
+            "messages": [{"role": "assistant", "content": "x"}] * turns}
+
+
+def _episode_record(episodes: list[dict]) -> dict:
+    batch = _batch(0, [[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
+    assert len(batch.rollouts) == len(episodes)
+    for r, ep in zip(batch.rollouts, episodes, strict=True):
+        r.episode, r.completion_tokens = ep, ep.get("model_tokens", 0)
+    stats = _trainer_stats([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]], seed=0)
+    return iteration_record(Config(), batch, Step(stats, True, 1003.0, 1004.0), 1, None, 0)
+
+
+def test_a_multi_turn_batch_records_its_episodes():
+    eps = [_episode(1, 0, "answered", model=7),  # answered at once: no tool
+           _episode(3, 2, "max_turns", {"malformed": 1}, model=30, env=20),
+           _episode(2, 1, "answered", model=12, env=9),
+           _episode(2, 4, "budget", {"timeout": 2, "malformed": 1}, model=64, env=31),
+           _episode(1, 0, "error", model=0),  # reset raised: nothing sampled
+           _episode(3, 3, "max_turns", model=25, env=16)]
+    rec = _episode_record(eps)
+    assert EPISODE_KEYS <= set(rec)
+    assert rec["episodes"] == 6 and rec["turns_max"] == 3
+    assert rec["turns_mean"] == pytest.approx(12 / 6)
+    assert rec["tool_rate"] == pytest.approx(4 / 6)  # four episodes called a tool
+    assert rec["tool_calls_mean"] == pytest.approx(10 / 6)
+    assert rec["tool_errors_by_kind"] == {"malformed": 2, "timeout": 2}
+    assert rec["tool_errors_mean"] == pytest.approx(4 / 6)
+    assert rec["model_tokens_mean"] == pytest.approx(138 / 6) and rec["completion_tokens"] == 138
+    assert rec["env_tokens"] == 76 and rec["env_tokens_mean"] == pytest.approx(76 / 6)
+    assert (rec["end_answered"], rec["end_max_turns"], rec["end_budget"], rec["end_error"]) == (2, 2, 1, 1)
+    json.dumps(rec, allow_nan=False)
+    assert not EPISODE_KEYS & set(_records([SPREAD])[0])  # a single-turn record is as it was
+
+
+def test_an_episode_with_missing_counts_is_counted_as_none():
+    """A rollout written by an older kit may lack counts, and a hostile or buggy environment's end
+    reason may be none of the four: nothing raises, no count is invented."""
+    eps = [_episode(2, 1, "answered"), {"turns": 1, "end_reason": "exploded"}, *(_episode(1, 0, "answered"),) * 4]
+    rec = _episode_record(eps)
+    assert rec["episodes"] == 6 and rec["turns_mean"] == pytest.approx(7 / 6)
+    assert rec["end_answered"] == 5 and rec["end_max_turns"] + rec["end_budget"] + rec["end_error"] == 0
+    assert rec["tool_errors_by_kind"] == {} and rec["tool_errors_mean"] == 0
+
+
+def test_the_summary_has_the_tool_rate_before_and_after_where_evals_measured_it():
+    records = _records([SPREAD, SPREAD])
+    evals = [{"version": 0, "acc": 0.1, "tool_rate": 0.25, "turns_mean": 1.0, "tool_errors": 3},
+             {"version": 1, "acc": 0.2, "tool_rate": 0.5, "turns_mean": 1.5, "tool_errors": 1},
+             {"version": 2, "acc": 0.3, "tool_rate": 0.75, "turns_mean": 2.5, "tool_errors": 0}]
+    state = {"version": 2, "base_acc": 0.1, "evals": evals, "grpo_wall_s": 1.0, "next_iteration": 2}
+    summary = run_summary(state, records, 0, None, {}, None)
+    assert (summary["tool_rate_before"], summary["tool_rate_after"]) == (0.25, 0.75)
+    assert (summary["turns_mean_before"], summary["turns_mean_after"]) == (1.0, 2.5)
+    no_final = run_summary({**state, "evals": evals[:2]}, records, 0, None, {}, None)  # the final eval never came
+    assert no_final["tool_rate_before"] == 0.25 and no_final["tool_rate_after"] is None
+    strict_json(json.dumps(no_final))
+    single = run_summary({**state, "evals": [{k: e[k] for k in ("version", "acc")} for e in evals]}, records, 0, None,
+                         {}, None)
+    assert not [k for k in single if k.startswith(("tool_rate", "turns_mean"))]  # a single-turn run's summary

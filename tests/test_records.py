@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from synthetic_run import make_run, synthetic_records
+from synthetic_run import episode_account, make_run, synthetic_episode_records, synthetic_records
 
 from grpo_kit import records
 
@@ -71,8 +71,8 @@ READERS = ("figures.py", "series.py", "report.py")
 """The modules that read records; every key they look up must be declared in records.py."""
 
 
-RECORD_NAMES = {"r", "rec", "s"}
-"""What the readers call a record, a span or a sample."""
+RECORD_NAMES = {"r", "rec", "s", "ev", "ep"}
+"""What the readers call a record, a span, a sample, an evaluation or an episode account."""
 SERIES_HELPERS = {"series", "eval_series", "last_number", "lenient", "total", "peak", "_sum"}
 """Functions the readers hand a record key to."""
 
@@ -111,9 +111,44 @@ def test_every_key_the_readers_look_up_is_declared():
 
 def test_the_synthetic_run_uses_declared_keys():
     declared = records.schema_keys()
-    recs = synthetic_records(8)
-    assert not {k for r in recs for k in r} - declared
-    assert not {k for r in recs for s in r["spans"] for k in s} - declared
+    for recs in (synthetic_records(8), synthetic_episode_records(8)):
+        assert not {k for r in recs for k in r} - declared
+        assert not {k for r in recs for s in r["spans"] + r.get("evals", []) for k in s} - declared
+    assert set(episode_account()) == set(records.EpisodeAccount.__annotations__)
+
+
+def test_the_episode_account_is_what_the_episode_module_writes():
+    """The schema's :class:`EpisodeAccount` and :func:`grpo_kit.episode.summary` name the same keys."""
+    from grpo_kit.episode import Episode, summary
+
+    ep = Episode("p0", 0, 0, 0, 1, 0, "4", end_reason="answered",
+                 messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### 4"}])
+    account = summary(ep)
+    assert set(account) == set(records.EpisodeAccount.__annotations__)
+    assert account["messages"] == [{"role": "assistant", "content": "#### 4"}]  # after the prompt
+
+
+def _summary(i: int, episode: dict | None = None):
+    from grpo_kit.rollout import RolloutSummary
+
+    return RolloutSummary(prompt_id=f"p{i}", group_id=i // 4, sample_idx=i % 4, version=2, finish_reason="stop",
+                          text=f"#### {i}", gold=str(i), prompt_tokens=5, completion_tokens=7, reward=i / 10,
+                          episode=episode)
+
+
+def test_samples_of_keeps_three_spread_over_the_batch():
+    rollouts = [_summary(i) for i in range(12)]
+    picked = records.samples_of(3, rollouts)
+    assert [s["prompt"] for s in picked] == ["p0", "p4", "p8"]
+    assert picked[1] == {"iteration": 3, "prompt": "p4", "completion": "#### 4", "reward": 0.4, "gold": "4",
+                         "version": 2}  # a single-turn sample: no episode key
+    assert [s["prompt"] for s in records.samples_of(0, rollouts[:2])] == ["p0", "p1"]
+    assert records.samples_of(0, []) == []
+    eps = [_summary(i, episode_account(answer=f"noted {i}")) for i in range(6)]
+    picked = records.samples_of(1, eps)
+    assert [s["episode"]["messages"][1]["content"] for s in picked] == ["noted 0", "noted 2", "noted 4"]
+    assert not {k for s in picked for k in s} - records.schema_keys()
+    json.dumps(picked)
 
 
 def test_run_files():

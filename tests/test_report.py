@@ -6,14 +6,16 @@ figure without a JavaScript error, and a screenshot goes to ``runs/report.png`` 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
+from html import escape as html_escape
 from pathlib import Path
 
 import pytest
-from synthetic_run import make_run
+from synthetic_run import NASTY, episode_account, make_run
 
 from grpo_kit import figures, report
 
@@ -62,6 +64,48 @@ def test_report_custom_path_and_empty_run(tmp_path):
     assert out == tmp_path / "out" / "r.html"
     assert all(f'id="fig-{name}"' in text for name in figures.FIGURES)
     assert "no samples recorded" in text
+
+
+def test_a_single_turn_report_has_no_episodes(written):
+    _, _, text = written
+    assert 'id="fig-episodes"' not in text and 'class="turn ' not in text
+    assert "tool rate" not in text and "per episode" not in text
+
+
+def test_a_multi_turn_report_shows_its_episodes_as_conversations(tmp_path):
+    records = make_run(tmp_path, episodes=True)
+    text = report.write_report(tmp_path).read_text(encoding="utf-8")
+    for name in [*figures.FIGURES, *figures.EPISODE_FIGURES]:
+        assert f'id="fig-{name}"' in text, name
+    assert re.search(r'data-key="final turns per episode"><th>[^<]*</th><td>2\.6</td>', text)
+    assert re.search(r'data-key="final tool rate"><th>[^<]*</th><td>0\.95</td>', text)
+    ends = sum(r["end_error"] for r in records)
+    assert f'data-key="episodes ended: error"><th>episodes ended: error</th><td>{ends}</td>' in text
+    assert f'<td>{sum(r["end_max_turns"] for r in records):,}</td>' in text.split('data-key="episodes ended: max_turns"')[1]
+    samples = text[text.index('<section id="samples">'):]
+    # each sampled episode: model turns, the environment's answer set apart, and its counts
+    assert samples.count('<div class="turn turn-model">') == 2 * 6 and samples.count('<div class="turn turn-env">') == 6
+    env = re.findall(r'<div class="turn turn-env"><div class="who">environment · note</div><pre>([^<]*)</pre>', samples)
+    assert env[0] == "noted 4"
+    assert "turns 2, tool calls 1, end reason answered" in samples and "tool errors timeout 1" in samples
+    # a policy's and an environment's text are hostile: escaped in the model's turn and in the tool's answer
+    assert "<script>alert" not in text and "<script>steal" not in text
+    assert env[-1] == "&lt;script&gt;steal(&#x27;x&#x27;)&lt;/script&gt; &amp; 2 &lt; 3"
+    model = re.findall(r'<div class="turn turn-model"><div class="who">model</div><pre>([^<]*)</pre>', samples)
+    assert html_escape(NASTY) in model
+
+
+def test_an_episode_s_hostile_tool_name_error_and_long_conversation_are_escaped_and_cut(tmp_path):
+    name = '<img src=x onerror="alert(1)">'
+    messages = [{"role": "assistant", "content": "call"}, {"role": "tool", "name": name, "content": "?"}] * 30
+    ep = episode_account(messages=messages, error="get_reward raised <b>boom</b>", end_reason="max_turns")
+    make_run(tmp_path, 2, episodes=True)
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"iteration": 0, "prompt": "p", "completion": "c",
+                                                        "reward": 0.0, "gold": "1", "episode": ep}) + "\n")
+    samples = report.write_report(tmp_path).read_text(encoding="utf-8").split('<section id="samples">')[1]
+    assert "<img" not in samples and "<b>" not in samples
+    assert f"environment · {html_escape(name)}" in samples and "get_reward raised &lt;b&gt;boom&lt;/b&gt;" in samples
+    assert samples.count('class="turn ') == report.EPISODE_MAX_MESSAGES and "20 more messages" in samples
 
 
 @pytest.mark.parametrize(
