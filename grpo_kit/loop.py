@@ -43,7 +43,7 @@ from .episode import EpisodePlan
 from .gang import TrainerGang, batch_of
 from .metrics import Batch, Step, iteration_record, run_summary
 from .models import resolve_model
-from .records import MetricsRecord, append_jsonl, run_files, write_jsonl
+from .records import MetricsRecord, append_jsonl, run_files, samples_of, write_jsonl
 from .retention import Pruner
 from .rollout import RolloutSummary
 from .sampling import Group, extra_prompts, groups_of, select_groups, summaries_of
@@ -506,9 +506,7 @@ class _Driver:
         every = self.cfg.run.rollouts_every
         if every and it % every == 0:
             append_jsonl(self.samples_path.with_name("rollouts.jsonl"), (r.to_dict() for r in rollouts))
-        append_jsonl(self.samples_path, ({"iteration": it, "prompt": r.prompt_id, "completion": r.text, "reward": r.reward,
-                                          "gold": r.gold, "version": r.version}
-                                         for r in rollouts[:: max(1, len(rollouts) // 3)][:3]))
+        append_jsonl(self.samples_path, samples_of(it, rollouts))
 
     def finish(self, preflight: dict | None = None) -> dict:
         """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""

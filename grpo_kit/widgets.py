@@ -15,8 +15,12 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from .figures import FIGURE_DATA, FIGURES, Arrays
+from .figures import EPISODE_FIGURE_DATA, EPISODE_FIGURES, FIGURE_DATA, FIGURES, Arrays, has_episodes
 from .series import Record, thin_indices, thin_records
+
+ALL_FIGURES = {**FIGURES, **EPISODE_FIGURES}
+"""Every figure :class:`LivePlots` can draw, by name: the run's and a multi-turn run's episode figures."""
+ALL_FIGURE_DATA = {**FIGURE_DATA, **EPISODE_FIGURE_DATA}
 
 
 def notebook_frontend() -> bool:
@@ -143,20 +147,26 @@ class LivePlots:
     ``live=True`` forces in-place updates of the held figures (``FigureWidget`` where possible, else
     ``go.Figure``) and ``live=False`` turns them off.
 
+    Multi-turn runs (a task with tools or an environment): ``episodes=True`` adds the episode figures
+    (:data:`grpo_kit.figures.EPISODE_FIGURES`: turns, tool calls and errors, tool rate, environment
+    and model tokens, end reasons) to the live ones; static figures add them whenever the records
+    hold episodes.
+
     Long runs: the figures draw at most ``max_points`` records, the last ``keep_last`` in full and
     older ones thinned (:func:`thin_records`), and an update recomputes only the trace arrays
     (:data:`FIGURE_DATA`), so its cost stays flat as the history grows (``bench/soak.py`` measures it).
     """
 
     def __init__(self, records: Iterable[Record] = (), *, live: bool | None = None, names: Sequence[str] | None = None,
-                 max_points: int = LIVE_MAX_POINTS, keep_last: int = LIVE_KEEP_LAST):
+                 max_points: int = LIVE_MAX_POINTS, keep_last: int = LIVE_KEEP_LAST, episodes: bool = False):
         thin_indices(0, max_points, keep_last)  # validates the pair
         self.max_points, self.keep_last = max_points, keep_last
         self.records: list[dict[str, Any]] = [dict(r) for r in records]
-        self.names = tuple(names or FIGURES)
-        unknown = set(self.names) - set(FIGURES)
+        self.explicit = names is not None
+        self.names = tuple(names or [*FIGURES, *(EPISODE_FIGURES if episodes else ())])
+        unknown = set(self.names) - set(ALL_FIGURES)
         if unknown:
-            raise ValueError(f"unknown figure names {sorted(unknown)}; choose from {list(FIGURES)}")
+            raise ValueError(f"unknown figure names {sorted(unknown)}; choose from {list(ALL_FIGURES)}")
         frontend = notebook_frontend()
         self._figs: dict[str, go.Figure] | None = None
         self.widgets = False
@@ -193,7 +203,10 @@ class LivePlots:
 
     def _build(self) -> dict[str, go.Figure]:
         view = self._view()
-        return {name: FIGURES[name](view) for name in self.names}
+        names = self.names
+        if not self.explicit and self._figs is None and has_episodes(view):  # static: a multi-turn run's too
+            names = tuple(dict.fromkeys([*names, *EPISODE_FIGURES]))
+        return {name: ALL_FIGURES[name](view) for name in names}
 
     @property
     def figures(self) -> dict[str, go.Figure]:
@@ -209,7 +222,7 @@ class LivePlots:
         if self._figs is not None:
             view = self._view()
             for name in self.names:
-                update_in_place(self._figs[name], FIGURE_DATA[name](view), lambda name=name: FIGURES[name](view))
+                update_in_place(self._figs[name], ALL_FIGURE_DATA[name](view), lambda name=name: ALL_FIGURES[name](view))
 
     def show(self, records: Iterable[Record] | None = None) -> dict[str, go.Figure]:
         """Display static figures of the whole run, unless live widgets already show it; returns them.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
-from synthetic_run import names, synthetic_records, trace
+from synthetic_run import names, synthetic_episode_records, synthetic_records, trace
 
 from grpo_kit import figures, widgets
 
@@ -64,6 +64,23 @@ def test_show_takes_the_final_records():
     assert live.show(final)["reward"] is fig  # redrawn in place
     assert trace(fig, "held-out accuracy").x == (3, 4) and trace(fig, "held-out accuracy").y[-1] == 0.875
     assert widgets.LivePlots().show(final)["reward"].data  # not live: static figures of those records
+
+
+def test_episode_figures_follow_a_multi_turn_run():
+    records = synthetic_episode_records(6)
+    live = widgets.LivePlots(records[:2], live=True, episodes=True)
+    figs = dict(live.figures)
+    assert set(figs) == set(figures.FIGURES) | set(figures.EPISODE_FIGURES)
+    panel = figs["episodes"]
+    before = [len(t.x or ()) for t in panel.data]
+    for r in records[2:]:
+        live(r)
+    assert live.figures["episodes"] is panel  # updated in place
+    assert [len(t.x or ()) for t in panel.data] != before
+    # static figures (papermill, or a LivePlots made without episodes=True) add them when records hold episodes
+    assert set(widgets.LivePlots().show(records)) == set(figs)
+    assert set(widgets.LivePlots().show(synthetic_records(3))) == set(figures.FIGURES)
+    assert set(widgets.LivePlots(live=True).figures) == set(figures.FIGURES)  # live: only what was asked for
 
 
 def test_live_plots_reject_unknown_names():
