@@ -246,6 +246,28 @@ def test_custom_task_notebook_trains_on_a_dataset_and_rewards_defined_in_cells(t
     assert all(r["prompt_id"].startswith("sums-train-") for r in read_jsonl(run_dir / "rollouts.jsonl"))
 
 
+def test_tools_notebook_trains_episodes_with_a_tool_defined_in_a_cell(tmp_path):
+    run_dir = tmp_path / "run"
+    nb = execute("07_tools.ipynb", tmp_path, **HF, eval_every=2, run_dir=str(run_dir))
+    assert not error_outputs(nb)
+    task = json.loads((run_dir / "config.json").read_text())["task"]
+    # the tool was defined in the notebook's kernel and reached the rollout workers by cloudpickle
+    assert task["name"] == "calculator" and task["tools"] == ["__main__:multiply"]
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["iteration"] for r in recs] == list(range(TINY["iterations"]))
+    assert all(r["episodes"] == TINY["prompts_per_step"] * TINY["group_size"] for r in recs)
+    rows = read_jsonl(run_dir / "rollouts.jsonl")
+    calls = [m for r in rows for m in r["episode"]["messages"] if m["role"] == "tool"]
+    assert calls and all(m["name"] == "multiply" for m in calls)  # the base model calls the tool some of the time
+    a, b = (int(x) for x in rows[0]["prompt_id"].split("-")[1:])  # mul-<a>-<b>
+    assert rows[0]["gold"] == str(a * b)
+    # the episode figures are among the plots, and the report shows episodes as conversations
+    assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(figures.FIGURES) + len(figures.EPISODE_FIGURES)
+    assert "held-out tool rate" in stdout(nb) and "[assistant] " in stdout(nb)
+    assert "episodes ended: answered" in (run_dir / "report.html").read_text()
+    assert '<div class="episode">' in (run_dir / "report.html").read_text()
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
@@ -258,6 +280,7 @@ def test_custom_task_notebook_trains_on_a_dataset_and_rewards_defined_in_cells(t
         ("04_inspect_run.ipynb", {"run_dir": "/nonexistent/run"}, "FileNotFoundError", "holds no run"),
         ("05_sweep.ipynb", {"grid": {"group_size": [4, 1]}}, "ValueError", "group_size must be >= 2"),
         ("06_custom_task.ipynb", {"lr": -1.0}, "ValueError", "lr must be > 0"),
+        ("07_tools.ipynb", {"max_turns": 0}, "ValueError", "max_turns must be >= 1"),
     ],
 )
 def test_a_bad_parameter_stops_in_the_derived_values_cell(name, params, ename, message, tmp_path):
