@@ -32,6 +32,28 @@ ROLLOUT, TRAINER, REWARD = "rollout", "trainer", "reward"
 # ----------------------------------------------------------------------------- the cluster
 
 
+def local_cluster_class() -> type:
+    """``LocalCluster`` whose nannies are never closed because their worker left the scheduler.
+
+    Dask's ``SpecCluster`` closes the nanny (the spec's ``Nanny`` object) of a worker that has not
+    re-registered ``distributed.deploy.lost-worker-timeout`` (15 s) after it left, and nothing
+    starts it again: a worker that is killed and takes longer than that to come back (a loaded CPU,
+    an engine build) is then lost for the run, and ``Client.restart_workers`` or a wait for the role
+    times out (seen on fresh clones: "Closing Nanny ... Reason: nanny-close"). A local nanny
+    restarts its own worker, so here the cluster only tracks the scheduler's view of workers (the
+    base ``Cluster``'s bookkeeping) and leaves its nannies alone. Clusters of jobs (Slurm) keep
+    Dask's rule: there an ended job is replaced (``grpo_kit.slurm``).
+    """
+    from distributed import LocalCluster
+    from distributed.deploy.cluster import Cluster
+
+    class NannyLocalCluster(LocalCluster):
+        def _update_worker_status(self, op, msg):  # overrides SpecCluster's close of lost workers' nannies
+            Cluster._update_worker_status(self, op, msg)
+
+    return NannyLocalCluster
+
+
 def connect(
     address: str | None = None,
     *,
@@ -59,14 +81,12 @@ def connect(
         if not quiet:
             print(f"connected to {address}; dashboard: {client.dashboard_link}")
         return client
-    from distributed import LocalCluster
-
     # Nannies read this when they (re)start a worker: engines and process groups spawn children.
     # The statistical profiler is off (PROFILER_NOTE); workers, nannies and the scheduler read it at start.
     dask.config.set({"distributed.worker.daemon": False, "distributed.worker.profile.enabled": False})
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     gpus = _visible_gpus()
-    cluster = LocalCluster(
+    cluster = local_cluster_class()(
         n_workers=0,
         threads_per_worker=threads_per_worker,
         processes=True,

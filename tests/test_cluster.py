@@ -24,3 +24,30 @@ def test_workers_with_never_reads_an_empty_cluster(client):
         fast.close()
     assert all(s == want for s in seen), f"{sum(s != want for s in seen)} of 300 look-ups saw {set(map(tuple, seen))}"
     assert set(cl.worker_resources(client)) == set(want) | set(cl.workers_with(client, cl.TRAINER))
+
+
+def test_a_worker_slower_to_come_back_than_the_lost_worker_timeout_keeps_its_nanny():
+    """Killed, a worker's nanny restarts it; here it takes longer than the lost-worker-timeout (set
+    to 0.3 s; Dask's default is 15 s, which a loaded machine's restart exceeded on a fresh clone).
+    Dask's SpecCluster then closed the nanny (the cluster lost track of it, and on the fresh clone
+    the worker never came back); the kit's local cluster keeps it, and the worker returns."""
+    import os
+    import signal
+    import time
+
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.3s"}):
+        client = cl.connect(n_rollout_workers=1, n_trainer_workers=1, quiet=True)
+        try:
+            cluster = client.cluster
+            (addr,) = cl.workers_with(client, cl.ROLLOUT)
+            nanny = cluster.workers["rollout-0"]
+            os.kill(client.run(os.getpid, workers=[addr])[addr], signal.SIGKILL)
+            deadline = time.time() + 120
+            while addr in cl.worker_resources(client) and time.time() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # past the timeout, while the worker is still away
+            assert cluster.workers.get("rollout-0") is nanny, "the cluster closed the nanny of a worker on its way back"
+            cl.wait_for_role(client, cl.ROLLOUT, 1, timeout=120)
+            assert cluster.workers.get("rollout-0") is nanny and len(cl.workers_with(client, cl.ROLLOUT)) == 1
+        finally:
+            cl.shutdown(client)
