@@ -453,15 +453,21 @@ def storm_client():
     SpecCluster closes the nanny of a worker that has not re-registered within
     ``distributed.deploy.lost-worker-timeout`` (15 s), which a worker killed again and again can
     miss, and nothing then starts that worker again (seen once on a fresh clone: the run completed,
-    and the module's cluster was left one rollout worker short for the tests after it)."""
-    c = cl.connect(**CLUSTER_SHAPE, quiet=True)
-    yield c
-    cl.shutdown(c)
+    and the module's cluster was left one rollout worker short for the tests after it). Its scheduler
+    allows one failure a task (``allowed-failures`` 1, Dask's default 3): the tests kill ``allowed + 2``
+    and ``allowed + 1`` times, and the two kills more a task the default would take are two more worker
+    restarts and rollout re-runs that prove nothing more."""
+    import dask
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}):  # read by the scheduler it starts
+        c = cl.connect(**CLUSTER_SHAPE, quiet=True)
+        yield c
+        cl.shutdown(c)
 
 
 def test_a_rollout_task_outlives_a_storm_of_preemptions(tmp_path, storm_client):
-    """The worker holding one rollout task is killed 5 times, past Dask's allowed-failures (3): the
-    4th loss ends the task in KilledWorker, and so does each loss after it. The driver resubmits it
+    """The worker holding one rollout task is killed allowed + 2 times, past Dask's allowed-failures
+    (1 on storm_client): the 2nd loss ends the task in KilledWorker, and so does each loss after it. The driver resubmits it
     (seeded: the same groups come back), the run completes and the records count the resubmissions."""
     import dask
 

@@ -179,12 +179,15 @@ def test_gsm8k_notebook_runs_on_local_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
 def test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu(tmp_path):
-    """The real chat model (SmolLM2-135M-Instruct) on GSM8K through the notebook, default vLLM engine."""
+    """The real chat model (SmolLM2-135M-Instruct) on GSM8K through the notebook, default vLLM engine
+    (merged LoRA on a CPU). This is also the loop test of merged vLLM on this model (see
+    tests/test_real_model.py's LOOP_ENGINES): the first step on-policy, the stop string, every row."""
     run_dir = tmp_path / "run"
     nb = execute(
         "02_gsm8k.ipynb", tmp_path, profile="smol", dataset=str(GSM8K_DIR), iterations=2, prompts_per_step=2,
         group_size=4, eval_size=4, eval_every=1, max_new_tokens=16, micro_batch=4, max_model_len=512,
         train_size=64, run_dir=str(run_dir),
+        kl_beta=1e-3,  # every row trains (kl_beta 0 skips rows with no advantage), so the ratio is measured
     )
     assert not error_outputs(nb)
     out = stdout(nb)
@@ -195,6 +198,12 @@ def test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["lenient_acc_after"] is not None
     assert (run_dir / "report.html").is_file()
+    assert cfg["sampling"]["engine"] == "vllm" and cfg["sampling"]["lora_mode"] == "auto"
+    first = read_jsonl(run_dir / "metrics.jsonl")[0]  # sampled and trained at version 0: on-policy
+    assert first["rollout_version"] == 0 and abs(first["ratio_mean"] - 1) < 1e-3
+    rows = read_jsonl(run_dir / "rollouts.jsonl")
+    assert len(rows) == 2 * 2 * 4 and all(r["prompt_id"].startswith("gsm8k-train-") for r in rows)
+    assert all(r["stop"] in (None, "\n\n") for r in rows)
 
 
 @pytest.mark.slow

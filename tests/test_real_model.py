@@ -1,6 +1,6 @@
 """The kit on a real pretrained chat model, SmolLM2-135M-Instruct (built offline from its PyPI
 wheel; see grpo_kit.models): engine/trainer alignment through the chat template, and the whole
-Dask loop with both engines and both vLLM LoRA modes. Small batches and short completions: the
+Dask loop (LOOP_ENGINES says why in vLLM's LoRARequest mode only). Small batches and short completions: the
 learning run itself is bench/real_model.py."""
 
 from __future__ import annotations
@@ -70,13 +70,22 @@ def test_engine_logprobs_are_the_trainers(which, smol_path, store, one_torch_thr
 
 
 
+LOOP_ENGINES = ["vllm-request"]
+"""The loop on this model runs once, in vLLM's LoRARequest mode (its only loop test: CPU's auto mode
+is merged). What the loop records here does not depend on the engine or the mode; each engine's part
+on this model (chat template, stop string, on-policy log-probs under all seven projections) is
+test_engine_logprobs_are_the_trainers, all three of them. The two other engines inside a Dask
+rollout worker on this model: merged vLLM is tests/test_notebooks.py's
+test_gsm8k_notebook_runs_the_smol_profile_on_a_cpu (the same profile, GSM8K and sizes, CPU's auto
+mode), and HF is tests/test_tasks.py's test_builtin_tasks_train_through_the_dask_loop[code-smollm2-135m-...]."""
+
+
 @pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
-@pytest.mark.parametrize("which", ENGINES)
+@pytest.mark.parametrize("which", LOOP_ENGINES)
 def test_loop_on_smollm2(which, smol_path, tmp_path):
     """Two pipelined iterations of GSM8K on a real LocalCluster: chat prompts, stop strings, strict
     and lenient accuracy recorded, adapters on all seven projections published and loaded."""
-    if which != "hf":
-        pytest.importorskip("vllm")
+    pytest.importorskip("vllm")
     engine, _, mode = which.partition("-")
     cfg = config.profile(
         "smol", engine=engine, lora_mode=mode or "auto", iterations=2, prompts_per_step=2, group_size=4,
