@@ -5,6 +5,7 @@
 ``"gsm8k"``             GSM8K, scored by the ``####`` reward (:mod:`.gsm8k`)
 ``"math"``              final answers checked with math-verify (:mod:`.math`)
 ``"code"``              HumanEval, the completion's code run against the tests in a sandbox (:mod:`.code`)
+``"calculator"``        multiplication with a ``multiply`` tool, multi-turn (:mod:`.calculator`)
 ``"pkg.module:fn"``     ``fn(**options)`` returns a :class:`Task`
 ======================  ===============================================================
 
@@ -25,6 +26,7 @@ BUILTIN = {
     "gsm8k": "grpo_kit.tasks.gsm8k:task",
     "math": "grpo_kit.tasks.math:task",
     "code": "grpo_kit.tasks.code:task",
+    "calculator": "grpo_kit.tasks.calculator:task",
 }
 
 __all__ = ["BUILTIN", "RewardFn", "Score", "Scorer", "Task", "for_config", "from_rows", "load_callable",
@@ -74,6 +76,8 @@ def _config_options(name: str, cfg) -> dict:
         return {"n_digits": d.n_digits, "n_terms": d.n_terms, **arith}
     if name == "gsm8k":
         return {"source": d.dataset, **arith}
+    if name == "calculator":
+        return {"n_digits": d.n_digits, **arith}
     if name == "math" and d.dataset != "synthetic":
         return {"source": d.dataset}
     return {}
