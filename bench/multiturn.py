@@ -79,7 +79,8 @@ def tiny_part(args) -> dict:
     build_s = time.time() - t0
     print(f"tiny-tools at {path}: pretraining {info['pretrain_s']:.0f} s (this call {build_s:.0f} s)", flush=True)
     greedy = play(path, cfg, cfg.data.eval_size, temperature=0.0)
-    sampled = play(path, cfg, 64, temperature=cfg.sampling.temperature, samples=cfg.sampling.group_size, seed=1)
+    sampled = play(path, cfg, args.sampled_problems, temperature=cfg.sampling.temperature,
+                   samples=cfg.sampling.group_size, seed=1)
     print(f"base, here: greedy {greedy}\n            sampled {sampled}", flush=True)
 
     curve = []
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parts", default="tiny", help=f"comma-separated parts to run, of {sorted(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=600.0, help="stop a GRPO run after this much wall time")
     ap.add_argument("--run-dir", default="runs/multiturn")
+    ap.add_argument("--sampled-problems", type=int, default=32, help="held-out questions of the sampled base measurement")
     ap.add_argument("overrides", nargs="*", help="profile overrides, name=value")
     args = ap.parse_args(argv)
     names = [p.strip() for p in args.parts.split(",") if p.strip()]
