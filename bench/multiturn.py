@@ -83,24 +83,26 @@ def tiny_part(args) -> dict:
                    samples=cfg.sampling.group_size, seed=1)
     print(f"base, here: greedy {greedy}\n            sampled {sampled}", flush=True)
 
-    curve = []
+    curve, evals = [], []
 
-    def on_record(rec: dict) -> None:
+    def collect(rec: dict) -> None:
         for e in rec.get("evals", []):
+            evals.append(e)
             curve.append({"iteration": rec["iteration"], "wall_s": round(rec["grpo_wall_s"], 1), "version": e["version"],
                           "acc": e["acc"], "tool_rate": e.get("tool_rate")})
             print(f"  iteration {rec['iteration']:3d}  wall {rec['grpo_wall_s']:6.0f} s  v{e['version']}  held-out acc "
                   f"{e['acc']:.3f}  tool rate {e.get('tool_rate', 0):.3f}", flush=True)
+
+    def budget(rec: dict) -> None:
         if rec["grpo_wall_s"] > args.budget_s:
             raise BudgetSpent(rec["iteration"])
 
     shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
     try:
-        res = loop.run(cfg, callbacks=[on_record], progress=False)
+        res = loop.run(cfg, callbacks=[collect, budget], progress=False)
     except BudgetSpent as stop:  # ends at an iteration boundary; resume evaluates the last adapter
         print(f"budget of {args.budget_s:.0f} s spent after iteration {stop.iteration}; final evaluation", flush=True)
-        res = loop.run(cfg.override(iterations=stop.iteration + 1), resume=True, progress=False)
-    evals = [e for r in res.records for e in r.get("evals", [])]
+        res = loop.run(cfg.override(iterations=stop.iteration + 1), resume=True, progress=False, callbacks=[collect])
     base = next(e for e in evals if e["version"] == 0)
     final = max(evals, key=lambda e: e["version"])
     return {
