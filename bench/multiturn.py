@@ -103,6 +103,8 @@ def tiny_part(args) -> dict:
     except BudgetSpent as stop:  # ends at an iteration boundary; resume evaluates the last adapter
         print(f"budget of {args.budget_s:.0f} s spent after iteration {stop.iteration}; final evaluation", flush=True)
         res = loop.run(cfg.override(iterations=stop.iteration + 1), resume=True, progress=False, callbacks=[collect])
+    seen = {(e["version"], e["start"]) for e in evals}  # the final evaluation is attached after the last callback
+    evals += [e for r in res.records for e in r.get("evals", []) if (e["version"], e["start"]) not in seen]
     base = next(e for e in evals if e["version"] == 0)
     final = max(evals, key=lambda e: e["version"])
     return {
