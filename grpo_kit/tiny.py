@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -153,14 +154,10 @@ def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random) -> li
     ...                              call=True, rng=random.Random(0))][1:]
     ['<call>multiply(347, 28)</call>', '\nResult: 9716\n', '#### 9716']
     """
-    from .prompts import PromptFormat
-    from .renderers import PlainRenderer
-    from .tasks import calculator
-    from .tools import PlainParser, ToolBox
+    from .tools import PlainParser
 
-    renderer, box = PlainRenderer(None), ToolBox([calculator.multiply])
-    schemas = box.schemas()
-    messages = PromptFormat(instruction=calculator.task().instruction).messages(problem.question)
+    renderer, box, schemas, fmt = _tool_context()
+    messages = fmt.messages(problem.question)
     prompt = renderer.prompt(messages, schemas)
     if not call:
         return [(prompt, False), (f"#### {wrong_guess(int(problem.gold), rng)}", True)]
@@ -171,6 +168,19 @@ def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random) -> li
     messages += [{"role": "assistant", "content": turn}, *({"role": "tool", "name": r.name, "content": r.content} for r in results)]
     env = renderer.extend(messages, prompt + turn, schemas)
     return [(prompt, False), (turn, True), (env, False), (f"#### {results[0].content}", True)]
+
+
+@functools.lru_cache(maxsize=1)
+def _tool_context():
+    """The renderer, tool box, tool schemas and prompt format of the calculator task (built once: the
+    schema parses the tool's docstring)."""
+    from .prompts import PromptFormat
+    from .renderers import PlainRenderer
+    from .tasks import calculator
+    from .tools import ToolBox
+
+    box = ToolBox([calculator.multiply])
+    return PlainRenderer(None), box, box.schemas(), PromptFormat(instruction=calculator.task().instruction)
 
 
 def encode_episode(tok, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
