@@ -548,7 +548,17 @@ def _profiles() -> dict[str, Config]:
         run=RunConfig(iterations=40, eval_every=10, run_dir="runs/smol"),
         profile="smol",
     )
-    return {"tiny": tiny, "smol": smol, "smoke": smoke, "stress": stress}
+    tiny_tools = Config(  # the tiny model learns to call its multiply tool (bench/multiturn.py measures it)
+        model=ModelConfig(model="tiny-tools"),
+        data=DataConfig(task="calculator", n_digits=3, eval_size=128),
+        sampling=SamplingConfig(engine="hf", group_size=8, prompts_per_step=8, max_new_tokens=24),
+        episode=EpisodeConfig(max_turns=2, max_turn_tokens=24, max_episode_tokens=64),
+        optim=OptimConfig(lr=1e-3),
+        cluster=ClusterConfig(preflight_sizes="1K:1M"),
+        run=RunConfig(iterations=30, eval_every=5, run_dir="runs/tiny-tools"),
+        profile="tiny-tools",
+    )
+    return {"tiny": tiny, "smol": smol, "smoke": smoke, "stress": stress, "tiny-tools": tiny_tools}
 
 
 def overrides_in(params: Mapping[str, Any], *, none_keeps: bool = False) -> dict[str, Any]:

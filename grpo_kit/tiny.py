@@ -10,12 +10,25 @@ Why noisy demonstrations: the demonstrations forget an incoming carry with proba
 ``slip_rate``. The model learns to carry, but only some of the time, so greedy decoding is often
 wrong while sampled groups of completions disagree: the reward has something to teach and GRPO
 has signal. See the README's "tiny profile" section for the measured figures.
+
+The tool-use variant (``TinySpec(task="multiply")``, the built-in name ``"tiny-tools"``:
+:data:`TOOLS_SPEC`) pretrains on episodes of the calculator task (:mod:`grpo_kit.tasks.calculator`)
+written in exactly the token stream the kit plays at run time: the prompt rendered by
+:class:`~grpo_kit.renderers.PlainRenderer` with the ``multiply`` tool's schema, then with
+probability ``tool_rate`` the call ``<call>multiply(347, 28)</call>``, the tool's answer as the
+renderer writes it (``"\nResult: 9716\n"``, the call parsed by the plain parser and run by the kit's
+:class:`~grpo_kit.tools.ToolBox`), and ``#### 9716``; otherwise a wrong guess ``#### <number>``;
+each ending in EOS (:func:`tool_episode`). Each segment is tokenized on its own, as the episode
+runner does, and the loss covers the model's segments only. So the base model calls the tool in
+about ``tool_rate`` of its sampled episodes, copies the result when it does, and greedy decoding
+(which guesses) is nearly always wrong: GRPO has the tool call to reinforce.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -34,6 +47,10 @@ VOCAB_SIZE = 384
 """BPE vocabulary size (256 byte symbols, the special tokens, merges)."""
 FORMAT_VERSION = 3
 """Bumped whenever the recipe below changes what gets built (invalidates caches)."""
+TASKS = ("add", "multiply")
+"""Pretraining tasks: noisy column addition, or the calculator task's tool episodes."""
+TOOL_FIELDS = ("task", "tool_rate", "factor_digits")
+"""The spec fields of the tool variant (left out of an addition spec's key, so it is unchanged)."""
 
 
 @dataclass(frozen=True)
@@ -62,30 +79,125 @@ class TinySpec:
     """Peak AdamW learning rate (linear warm-up, cosine decay)."""
     seed: int = 0
     """Seeds weights, data order and slips."""
+    task: str = "add"
+    """What it is pretrained on: ``"add"`` (noisy column-addition traces, ``slip_rate``) or
+    ``"multiply"`` (the calculator task's tool episodes: :func:`tool_episode`)."""
+    tool_rate: float = 0.3
+    """``task="multiply"``: the share of demonstrations that call the tool (the others guess wrong)."""
+    factor_digits: int = 2
+    """``task="multiply"``: digits of the second factor (the first has ``n_digits``)."""
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if not 0.0 <= self.tool_rate <= 1.0:
+            raise ValueError(f"tool_rate must be in [0, 1], got {self.tool_rate}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
     def key(self) -> str:
-        blob = json.dumps({"spec": dataclasses.asdict(self), "format": FORMAT_VERSION, "template": data.format_prompt("{question}")}, sort_keys=True)
+        spec = dataclasses.asdict(self)
+        extra = {}
+        if self.task == "add":  # the tool fields do not apply: the addition model's key predates them
+            for k in TOOL_FIELDS:
+                del spec[k]
+        else:  # the stream format itself: a change in the renderer or the tool rebuilds the model
+            extra["stream"] = tool_episode(_multiply_problems(1, "train", 0, self)[0], call=True, rng=random.Random(0))
+        blob = json.dumps({"spec": spec, "format": FORMAT_VERSION, "template": data.format_prompt("{question}"), **extra},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3)
+"""The spec of the built-in ``"tiny-tools"`` model (the calculator task's tool episodes)."""
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("GRPO_KIT_CACHE", Path.home() / ".cache" / "grpo_kit"))
 
 
-def _tokenizer_corpus(n: int = 4000) -> list[str]:
+def _tokenizer_corpus(n: int = 4000, spec: TinySpec | None = None) -> list[str]:
     rng = random.Random(1234)
     out = []
     for p in data.synthetic_problems(n, split="train", seed=1234, n_digits=3, n_terms=2):
         out.append(p.prompt + data.demonstration(data.parse_terms(p.question), slip_rate=0.5, rng=rng))
+    if spec is not None and spec.task == "multiply":
+        for p in _multiply_problems(n, "train", 1234, spec):
+            out.append("".join(text for text, _ in tool_episode(p, call=rng.random() < 0.5, rng=rng)))
     return out
 
 
-def build_tokenizer():
-    """A small byte-level BPE tokenizer trained (deterministically) on the synthetic task's text.
+def _multiply_problems(n: int, split: str, seed: int, spec: TinySpec) -> list[data.Problem]:
+    from .tasks import calculator
+
+    return calculator.problems(split, n, seed, n_digits=spec.n_digits, factor_digits=spec.factor_digits)
+
+
+def wrong_guess(answer: int, rng: random.Random) -> int:
+    """A number with as many digits as ``answer`` that is not ``answer`` (the demonstrations' guess)."""
+    k = len(str(answer))
+    while (guess := rng.randint(10 ** (k - 1) if k > 1 else 0, 10**k - 1)) == answer:
+        pass
+    return guess
+
+
+def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random) -> list[tuple[str, bool]]:
+    """A calculator-task episode as the kit streams it at run time, as ``(text, policy_wrote)`` segments:
+    the prompt (:class:`~grpo_kit.renderers.PlainRenderer` with the tool's schema and the task's
+    :class:`~grpo_kit.prompts.PromptFormat` messages), then either the call turn, the environment text
+    (the plain parser's call run by a :class:`~grpo_kit.tools.ToolBox`, its answer rendered by the
+    renderer) and ``#### <product>``, or (``call=False``) ``#### <wrong guess>``. EOS follows the last one.
+
+    >>> [t for t, _ in tool_episode(data.Problem("mul-347-28", "What is 347 * 28?", "9716", columns={"a": 347, "b": 28}),
+    ...                              call=True, rng=random.Random(0))][1:]
+    ['<call>multiply(347, 28)</call>', '\nResult: 9716\n', '#### 9716']
+    """
+    from .tools import PlainParser
+
+    renderer, box, schemas, fmt = _tool_context()
+    messages = fmt.messages(problem.question)
+    prompt = renderer.prompt(messages, schemas)
+    if not call:
+        return [(prompt, False), (f"#### {wrong_guess(int(problem.gold), rng)}", True)]
+    turn = f"<call>multiply({problem.columns['a']}, {problem.columns['b']})</call>"
+    results = [box.call(c) for c in PlainParser().parse(turn)]
+    if [r.error for r in results] != [None]:
+        raise AssertionError(f"the demonstration's call {turn!r} failed: {results}")
+    messages += [{"role": "assistant", "content": turn}, *({"role": "tool", "name": r.name, "content": r.content} for r in results)]
+    env = renderer.extend(messages, prompt + turn, schemas)
+    return [(prompt, False), (turn, True), (env, False), (f"#### {results[0].content}", True)]
+
+
+@functools.lru_cache(maxsize=1)
+def _tool_context():
+    """The renderer, tool box, tool schemas and prompt format of the calculator task (built once: the
+    schema parses the tool's docstring)."""
+    from .prompts import PromptFormat
+    from .renderers import PlainRenderer
+    from .tasks import calculator
+    from .tools import ToolBox
+
+    box = ToolBox([calculator.multiply])
+    return PlainRenderer(None), box, box.schemas(), PromptFormat(instruction=calculator.task().instruction)
+
+
+def encode_episode(tok, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    """Token ids of an episode's segments, each tokenized on its own (as the episode runner does),
+    then EOS; per id, whether the policy wrote it (the loss's mask)."""
+    ids: list[int] = []
+    trained: list[bool] = []
+    for text, wrote in segments:
+        seg = tok.encode(text, add_special_tokens=False)
+        ids += seg
+        trained += [wrote] * len(seg)
+    return ids + [tok.eos_token_id], trained + [True]
+
+
+def build_tokenizer(spec: TinySpec | None = None):
+    """A small byte-level BPE tokenizer trained (deterministically) on the synthetic task's text
+    (and, for a ``task="multiply"`` spec, the tool episodes' text too).
 
     Digits are always single tokens (as in Qwen's tokenizer), so numbers are spelled digit by
     digit; the template's words become single tokens, which keeps prompts short.
@@ -104,7 +216,7 @@ def build_tokenizer():
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_tokenizer_corpus(), trainer)
+    tok.train_from_iterator(_tokenizer_corpus(spec=spec), trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
@@ -146,18 +258,25 @@ def _encode_example(tok, problem: data.Problem, completion: str) -> tuple[list[i
     return prompt_ids + comp_ids, len(prompt_ids)
 
 
+def _trained_after(ids: list[int], n_prompt: int) -> tuple[list[int], list[bool]]:
+    return ids, [i >= n_prompt for i in range(len(ids))]
+
+
 def pretrain(spec: TinySpec, *, progress: bool = True):
     """Pretrain the tiny model; returns (model, tokenizer, log) with the log's timings."""
     import torch
     from tqdm.auto import tqdm
 
-    tok = build_tokenizer()
+    tok = build_tokenizer(spec if spec.task != "add" else None)
     model = build_model(spec, len(tok))
     model.train()
     rng = random.Random(spec.seed)
-    problems = data.synthetic_problems(
-        min(60000, spec.steps * spec.batch_size // 2), split="train", seed=spec.seed, n_digits=spec.n_digits, n_terms=spec.n_terms
-    )
+    n_problems = min(60000, spec.steps * spec.batch_size // 2)
+    if spec.task == "multiply":
+        problems = _multiply_problems(n_problems, "train", spec.seed, spec)
+    else:
+        problems = data.synthetic_problems(n_problems, split="train", seed=spec.seed, n_digits=spec.n_digits,
+                                           n_terms=spec.n_terms)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, spec.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -168,18 +287,19 @@ def pretrain(spec: TinySpec, *, progress: bool = True):
     bar = tqdm(range(spec.steps), desc="pretraining tiny model", disable=not progress)
     for _ in bar:
         batch = rng.sample(problems, spec.batch_size)
-        seqs = [
-            _encode_example(tok, p, data.demonstration(data.parse_terms(p.question), slip_rate=spec.slip_rate, rng=rng))
-            for p in batch
-        ]
+        if spec.task == "multiply":
+            seqs = [encode_episode(tok, tool_episode(p, call=rng.random() < spec.tool_rate, rng=rng)) for p in batch]
+        else:
+            seqs = [_trained_after(*_encode_example(
+                tok, p, data.demonstration(data.parse_terms(p.question), slip_rate=spec.slip_rate, rng=rng))) for p in batch]
         T = max(len(s) for s, _ in seqs)
         ids = torch.full((len(seqs), T), pad, dtype=torch.long)
         labels = torch.full((len(seqs), T), -100, dtype=torch.long)
         attn = torch.zeros((len(seqs), T), dtype=torch.long)
-        for i, (s, n_prompt) in enumerate(seqs):
+        for i, (s, trained) in enumerate(seqs):
             ids[i, : len(s)] = torch.tensor(s)
             attn[i, : len(s)] = 1
-            labels[i, n_prompt : len(s)] = torch.tensor(s[n_prompt:])
+            labels[i, : len(s)] = torch.where(torch.tensor(trained), torch.tensor(s), -100)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -81,3 +81,121 @@ def test_loads_in_vllm_and_matches_hf_greedy(tiny_path):
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, f"vLLM failed:\n{proc.stderr[-3000:]}"
     assert json.loads(line[0][7:]) == hf.tolist()
+
+
+# ----------------------------------------------------------------------------- the tool-use variant
+
+SMALL_TOOLS = tiny.TinySpec(task="multiply", tool_rate=0.5, steps=3, batch_size=4, hidden_size=32, num_heads=2,
+                            num_kv_heads=1, intermediate_size=64, num_layers=1)
+
+
+def test_default_spec_key_is_unchanged_by_the_tool_fields():
+    assert tiny.TinySpec().key() == "acf39a0b1f31"  # the addition model built before the tool fields: still valid
+    assert tiny.TinySpec(tool_rate=0.9, factor_digits=3).key() == tiny.TinySpec().key()  # they do not apply to "add"
+    keys = {tiny.TinySpec(task="multiply").key(), tiny.TinySpec(task="multiply", tool_rate=0.5).key(), tiny.TinySpec().key()}
+    assert len(keys) == 3
+    with pytest.raises(ValueError):
+        tiny.TinySpec(task="divide")
+    with pytest.raises(ValueError):
+        tiny.TinySpec(task="multiply", tool_rate=1.5)
+
+
+@pytest.fixture(scope="module")
+def tools_tok():
+    return tiny.build_tokenizer(SMALL_TOOLS)
+
+
+class Replay:
+    """An engine (one episode) whose turns are the demonstration's model segments, verbatim."""
+
+    def __init__(self, tok, turns):
+        self.tokenizer, self.turns, self.max_model_len = tok, turns, 512
+        self.stop_ids, self.prompts = [tok.eos_token_id], []
+
+    def sample_ids(self, prompts, *, seeds, max_new_tokens, version=0, temperature=1.0, stop=()):
+        from grpo_kit.rollout import Continuation
+
+        (prompt,) = prompts
+        self.prompts.append(list(prompt))
+        ids = self.turns[len(self.prompts) - 1]
+        ends_call = any(s in self.tokenizer.decode(ids) for s in stop)
+        return [Continuation(ids, [-0.1] * len(ids), "stop", stop="</call>" if ends_call else None)]
+
+
+@pytest.mark.parametrize("call", [True, False])
+def test_tool_demonstrations_are_the_run_time_stream(call, tools_tok):
+    """The episode runner, the calculator task, the plain renderer and parser, replaying a demonstration's
+    model segments, produce exactly the demonstration's token stream (prompt, call, tool answer, answer, EOS)."""
+    import random
+
+    from grpo_kit import config, tasks
+    from grpo_kit.episode import EpisodePlan
+    from grpo_kit.prompts import PromptFormat
+    from grpo_kit.renderers import PlainRenderer
+
+    tok = tools_tok
+    task = tasks.resolve("calculator")
+    p = task.load("train", 1, 5)[0]
+    segs = tiny.tool_episode(p, call=call, rng=random.Random(0))
+    ids, trained = tiny.encode_episode(tok, segs)
+    turns = [tok.encode(t, add_special_tokens=False) for t, wrote in segs if wrote]
+    turns[-1] = turns[-1] + [tok.eos_token_id]
+    plan = EpisodePlan.of(task, config.profile("tiny-tools"))
+    eng = Replay(tok, turns)
+    eng.prompt_format = PromptFormat(instruction=task.instruction)
+    (ep,) = plan.runner(eng, PlainRenderer(tok), 1.0).run([p], 1)
+    assert ep.stream == ids
+    assert eng.prompts[-1] == ids[: len(eng.prompts[-1])] and len(eng.prompts) == len(turns)  # each turn saw the demo's prefix
+    n_prompt = len(tok.encode(segs[0][0], add_special_tokens=False))
+    assert ep.mask == [int(t) for t in trained[n_prompt:]] and not any(trained[:n_prompt])
+    assert ep.end_reason == "answered" and ep.tool_calls == int(call) and not ep.tool_errors
+    if call:
+        assert [m["content"] for m in ep.messages if m["role"] == "tool"] == [p.gold]
+        assert ep.messages[-1]["content"] == f"#### {p.gold}"
+        assert task.scorer().score_problems([p], [ep.messages[-1]["content"]])[0].correct
+    else:
+        assert not task.scorer().score_problems([p], [ep.messages[-1]["content"]])[0].correct  # the guess is wrong
+
+
+def test_tool_variant_builds_and_its_tokenizer_knows_the_format(tmp_path, tools_tok):
+    path = tiny.ensure_tiny_model(SMALL_TOOLS, cache_dir=tmp_path, progress=False)
+    assert tiny.tiny_info(path)["spec"]["task"] == "multiply"
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.get_vocab() == tools_tok.get_vocab()
+    text = "".join(t for t, _ in tiny.tool_episode(data.Problem("m", "What is 12 * 34?", "408", columns={"a": 12, "b": 34}),
+                                                    call=True, rng=__import__("random").Random(0)))
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    plain = tiny.build_tokenizer()  # the addition model's tokenizer has never seen the call markup
+    assert len(tok.encode(text, add_special_tokens=False)) < len(plain.encode(text, add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def tools_path():
+    return tiny.ensure_tiny_model(tiny.TOOLS_SPEC)
+
+
+def test_tool_model_calls_its_tool_sometimes_and_copies_the_answer(tools_path):
+    """The built-in tool model (``tiny-tools``) through the kit's own episode path: sampled, it calls
+    the tool in some episodes, not all (GRPO's signal), every call parses and runs, and a call
+    mostly ends in the tool's number; greedy, it guesses (the base accuracy GRPO starts from)."""
+    from grpo_kit import config, tasks
+    from grpo_kit.episode import EpisodePlan, to_rollout
+    from grpo_kit.prompts import prompt_format
+    from grpo_kit.renderers import for_engine
+    from grpo_kit.rollout import HFEngine
+
+    cfg = config.profile("tiny-tools")
+    task = tasks.for_config(cfg)
+    eng = HFEngine(str(tools_path), max_model_len=cfg.model.max_model_len, device="cpu",
+                   prompt_format=prompt_format(cfg, task.instruction))
+    probs = task.load("heldout", 12, 0)
+    plan = EpisodePlan.of(task, cfg)
+    sampled = plan.runner(eng, for_engine(eng), 1.0).run(probs, 4, seed=3)
+    called = [e for e in sampled if e.tool_calls]
+    assert 0 < len(called) < len(sampled)
+    assert not any(e.tool_errors for e in sampled) and all(e.end_reason == "answered" for e in sampled)
+    scores = task.scorer().score_problems([probs[e.group_id] for e in called], [to_rollout(e).text for e in called])
+    assert sum(s.correct for s in scores) >= 0.75 * len(called)
+    greedy = plan.runner(eng, for_engine(eng), 0.0).run(probs, 1)
+    scores = task.scorer().score_problems(probs, [to_rollout(e).text for e in greedy])
+    assert sum(s.correct for s in scores) <= 0.3 * len(probs)

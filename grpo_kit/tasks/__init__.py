@@ -5,6 +5,7 @@
 ``"gsm8k"``             GSM8K, scored by the ``####`` reward (:mod:`.gsm8k`)
 ``"math"``              final answers checked with math-verify (:mod:`.math`)
 ``"code"``              HumanEval, the completion's code run against the tests in a sandbox (:mod:`.code`)
+``"calculator"``        multiplication with a ``multiply`` tool, multi-turn (:mod:`.calculator`)
 ``"guess_number"``      multi-turn: find a hidden number with a ``guess`` tool (higher/lower), :mod:`.guess`
 ``"pkg.module:fn"``     ``fn(**options)`` returns a :class:`Task`
 ======================  ===============================================================
@@ -27,6 +28,7 @@ BUILTIN = {
     "gsm8k": "grpo_kit.tasks.gsm8k:task",
     "math": "grpo_kit.tasks.math:task",
     "code": "grpo_kit.tasks.code:task",
+    "calculator": "grpo_kit.tasks.calculator:task",
     "guess_number": "grpo_kit.tasks.guess:task",
 }
 
@@ -77,6 +79,8 @@ def _config_options(name: str, cfg) -> dict:
         return {"n_digits": d.n_digits, "n_terms": d.n_terms, **arith}
     if name == "gsm8k":
         return {"source": d.dataset, **arith}
+    if name == "calculator":
+        return {"n_digits": d.n_digits, **arith}
     if name == "math" and d.dataset != "synthetic":
         return {"source": d.dataset}
     return {}

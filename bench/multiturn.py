@@ -1,0 +1,149 @@
+"""Multi-turn episodes, measured: does GRPO teach a model to use a tool?
+
+    python bench/multiturn.py [--parts tiny] [--budget-s S] [--run-dir DIR] [name=value ...]
+
+Parts (``--parts``, comma-separated; each returns a dict of figures and :func:`main` merges them):
+
+- ``tiny``: builds the ``tiny-tools`` model (:data:`grpo_kit.tiny.TOOLS_SPEC`, pretrained on
+  calculator episodes that call the ``multiply`` tool only ``tool_rate`` of the time and otherwise
+  guess), measures the base model on the held-out questions (greedy episodes: accuracy and the share
+  that call the tool; sampled episodes: tool-call rate and how often a call ends in the right
+  answer), runs GRPO with the ``tiny-tools`` profile on a LocalCluster (``loop.run``, stopped at the
+  first iteration past ``--budget-s`` of GRPO wall time), and reports the run's own greedy
+  evaluations of the base and final adapters (``remote.eval_task`` on the episodes). Overrides such
+  as ``lr=2e-3`` go to the profile.
+
+Ends with ONE JSON line: the merged figures (``tiny_acc_before``, ``tiny_acc_after``,
+``tiny_tool_rate_before``, ``tiny_tool_rate_after``, ``tiny_grpo_wall_s``, ...), all measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import shutil
+import sys
+import time
+from collections.abc import Callable
+
+from grpo_kit import config, loop, tasks
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def play(model_path: str, cfg, n: int, *, temperature: float, samples: int = 1, seed: int = 0) -> dict:
+    """The task's held-out episodes played in this process with the HF engine (the base model):
+    accuracy (strict, the task's first reward), tool-call rate, and the accuracy of the episodes that
+    called the tool (how reliably the model copies the tool's answer)."""
+    from grpo_kit.episode import EpisodePlan, to_rollout
+    from grpo_kit.prompts import prompt_format
+    from grpo_kit.renderers import for_engine
+    from grpo_kit.rollout import HFEngine
+
+    task = tasks.for_config(cfg)
+    probs = task.load("heldout", n, 0)
+    engine = HFEngine(model_path, max_model_len=cfg.model.max_model_len, device="cpu",
+                      prompt_format=prompt_format(cfg, task.instruction))
+    eps = EpisodePlan.of(task, cfg).runner(engine, for_engine(engine), temperature).run(probs, samples, seed=seed)
+    scores = task.scorer().score_problems([probs[e.group_id] for e in eps], [to_rollout(e).text for e in eps])
+    called = [s.correct for e, s in zip(eps, scores, strict=True) if e.tool_calls > 0]
+    return {"acc": sum(s.correct for s in scores) / len(eps), "tool_rate": len(called) / len(eps),
+            "acc_when_called": sum(called) / len(called) if called else None, "n": len(eps),
+            "end_reasons": dict(sorted({r: sum(e.end_reason == r for e in eps) for r in {e.end_reason for e in eps}}.items()))}
+
+
+class BudgetSpent(Exception):
+    def __init__(self, iteration: int):
+        super().__init__(f"budget spent after iteration {iteration}")
+        self.iteration = iteration
+
+
+def tiny_part(args) -> dict:
+    """The tiny tool model before and after GRPO (module docstring)."""
+    from grpo_kit import models, tiny
+
+    cfg = config.profile("tiny-tools", run_dir=f"{args.run_dir}/tiny", **parse_overrides(args.overrides))
+    t0 = time.time()
+    path = models.resolve_model(cfg.model.model, progress=False)
+    info = tiny.tiny_info(path)
+    build_s = time.time() - t0
+    print(f"tiny-tools at {path}: pretraining {info['pretrain_s']:.0f} s (this call {build_s:.0f} s)", flush=True)
+    greedy = play(path, cfg, cfg.data.eval_size, temperature=0.0)
+    sampled = play(path, cfg, args.sampled_problems, temperature=cfg.sampling.temperature,
+                   samples=cfg.sampling.group_size, seed=1)
+    print(f"base, here: greedy {greedy}\n            sampled {sampled}", flush=True)
+
+    curve, evals = [], []
+
+    def collect(rec: dict) -> None:
+        for e in rec.get("evals", []):
+            evals.append(e)
+            curve.append({"iteration": rec["iteration"], "wall_s": round(rec["grpo_wall_s"], 1), "version": e["version"],
+                          "acc": e["acc"], "tool_rate": e.get("tool_rate")})
+            print(f"  iteration {rec['iteration']:3d}  wall {rec['grpo_wall_s']:6.0f} s  v{e['version']}  held-out acc "
+                  f"{e['acc']:.3f}  tool rate {e.get('tool_rate', 0):.3f}", flush=True)
+
+    def budget(rec: dict) -> None:
+        if rec["grpo_wall_s"] > args.budget_s:
+            raise BudgetSpent(rec["iteration"])
+
+    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
+    try:
+        res = loop.run(cfg, callbacks=[collect, budget], progress=False)
+    except BudgetSpent as stop:  # ends at an iteration boundary; resume evaluates the last adapter
+        print(f"budget of {args.budget_s:.0f} s spent after iteration {stop.iteration}; final evaluation", flush=True)
+        res = loop.run(cfg.override(iterations=stop.iteration + 1), resume=True, progress=False, callbacks=[collect])
+    seen = {(e["version"], e["start"]) for e in evals}  # the final evaluation is attached after the last callback
+    evals += [e for r in res.records for e in r.get("evals", []) if (e["version"], e["start"]) not in seen]
+    base = next(e for e in evals if e["version"] == 0)
+    final = max(evals, key=lambda e: e["version"])
+    return {
+        "tiny_acc_before": base["acc"], "tiny_acc_after": final["acc"],
+        "tiny_tool_rate_before": base["tool_rate"], "tiny_tool_rate_after": final["tool_rate"],
+        "tiny_grpo_wall_s": res.summary["grpo_wall_s"], "tiny_iterations": res.summary["iterations"],
+        "tiny_final_version": final["version"], "tiny_eval_size": base["n"],
+        "tiny_sampled_tool_rate_before": sampled["tool_rate"], "tiny_sampled_acc_before": sampled["acc"],
+        "tiny_acc_when_called_before": sampled["acc_when_called"], "tiny_greedy_acc_before_here": greedy["acc"],
+        "tiny_pretrain_s": info["pretrain_s"], "tiny_engine": cfg.sampling.engine, "tiny_lr": cfg.optim.lr,
+        "tiny_group_size": cfg.sampling.group_size, "tiny_prompts_per_step": cfg.sampling.prompts_per_step,
+        "tiny_curve": curve,
+    }
+
+
+PARTS: dict[str, Callable] = {"tiny": tiny_part}
+"""Each part's figures (keys prefixed with the part's name); more parts plug in here."""
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="tiny", help=f"comma-separated parts to run, of {sorted(PARTS)}")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="stop a GRPO run after this much wall time")
+    ap.add_argument("--run-dir", default="runs/multiturn")
+    ap.add_argument("--sampled-problems", type=int, default=32, help="held-out questions of the sampled base measurement")
+    ap.add_argument("overrides", nargs="*", help="profile overrides, name=value")
+    args = ap.parse_args(argv)
+    names = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(names) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown parts {unknown}; known: {sorted(PARTS)}")
+    out: dict = {}
+    t0 = time.time()
+    for name in names:
+        out.update(PARTS[name](args))
+    out["total_s"] = time.time() - t0
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

@@ -1,0 +1,84 @@
+"""The built-in tool task: seeded multi-digit multiplication with a ``multiply`` tool.
+
+Questions are ``"What is 347 * 28?"`` (an ``n_digits``-digit factor times a ``factor_digits``-digit
+one), beyond what the tiny model computes in its head, and the task gives the model one tool,
+:func:`multiply`, so a multi-turn episode can call it (``<call>multiply(347, 28)</call>`` in the tiny
+model's plain format, a Hermes ``<tool_call>`` block for chat models) and copy its result into the
+final answer. Only the final answer is rewarded: the last assistant message's ``#### <integer>``,
+strictly right (the arithmetic ``####`` reward, :func:`grpo_kit.tasks.gsm8k.hash_reward`; accuracy is
+strict correctness). Calling the tool earns nothing by itself, and a result the model writes
+without calling the tool counts only if its number is right.
+
+The held-out split is disjoint from the training one (a hash of the factors decides).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+
+from .. import data
+from .base import Task
+from .gsm8k import hash_reward
+
+MAX_OPERAND_DIGITS = 18
+"""Largest factor :func:`multiply` takes, in digits: a bigger one is an error answer, not a slow product."""
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    for name, v in (("a", a), ("b", b)):
+        if type(v) is not int:  # bools, floats, strings, int subclasses: not an integer argument
+            raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
+        if v.bit_length() > MAX_OPERAND_DIGITS * 4 or abs(v) >= 10**MAX_OPERAND_DIGITS:
+            raise ValueError(f"{name} has more than {MAX_OPERAND_DIGITS} digits")
+    return a * b
+
+
+def is_heldout(a: int, b: int, heldout_mod: int = 10) -> bool:
+    """Whether the question ``a * b`` belongs to the held-out split (a hash of the factors)."""
+    return hashlib.sha256(f"{a}*{b}".encode()).digest()[0] % heldout_mod == 0
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a} * {b}?"
+
+
+def problems(split: str, n: int, seed: int = 0, *, n_digits: int = 3, factor_digits: int = 2) -> list[data.Problem]:
+    """``n`` distinct seeded multiplication questions of one split.
+
+    >>> [p.question for p in problems("train", 2, seed=1)]
+    ['What is 455 * 15?', 'What is 526 * 27?']
+    """
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if not (1 <= n_digits <= 9 and 1 <= factor_digits <= 9):
+        raise ValueError(f"n_digits and factor_digits must be in 1..9, got {n_digits} and {factor_digits}")
+    ranges = [(10 ** (d - 1), 10**d - 1) for d in (n_digits, factor_digits)]
+    space = (ranges[0][1] - ranges[0][0] + 1) * (ranges[1][1] - ranges[1][0] + 1)
+    cap = space // 10 if split == "heldout" else space - space // 10
+    if n > 0.5 * cap:
+        raise ValueError(f"asked for {n} distinct {split} questions but only about {cap} exist")
+    rng = random.Random(f"mul-{seed}-{split}-{n_digits}-{factor_digits}")
+    seen, out = set(), []
+    while len(out) < n:
+        a, b = (rng.randint(lo, hi) for lo, hi in ranges)
+        if (a, b) in seen or is_heldout(a, b) != (split == "heldout"):
+            continue
+        seen.add((a, b))
+        out.append(data.Problem(id=f"mul-{a}-{b}", question=question(a, b), gold=str(a * b),
+                                columns={"a": a, "b": b}))
+    return out
+
+
+def task(n_digits: int = 3, factor_digits: int = 2, format_bonus: float = 0.0, lenient_credit: float = 0.0) -> Task:
+    """Multiplication questions with the :func:`multiply` tool, rewarded on the final answer only."""
+    reward = functools.partial(hash_reward, format_bonus=format_bonus, lenient_credit=lenient_credit)
+    return Task("calculator", functools.partial(problems, n_digits=n_digits, factor_digits=factor_digits),
+                [reward], names=["answer"], instruction=data.DEFAULT_INSTRUCTION, tools=[multiply])
