@@ -16,7 +16,7 @@ The tool-use variant (``TinySpec(task="multiply")``, the built-in name ``"tiny-t
 written in exactly the token stream the kit plays at run time: the prompt rendered by
 :class:`~grpo_kit.renderers.PlainRenderer` with the ``multiply`` tool's schema, then with
 probability ``tool_rate`` the call ``<call>multiply(347, 28)</call>``, the tool's answer as the
-renderer writes it (``"\nResult: 9716\n"``, the call parsed by the plain parser and run by the kit's
+renderer writes it (``"\\nResult: 9716\\n"``, the call parsed by the plain parser and run by the kit's
 :class:`~grpo_kit.tools.ToolBox`), and ``#### 9716``; otherwise a wrong guess ``#### <number>``;
 each ending in EOS (:func:`tool_episode`). Each segment is tokenized on its own, as the episode
 runner does, and the loss covers the model's segments only. So the base model calls the tool in
@@ -152,7 +152,7 @@ def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random) -> li
 
     >>> [t for t, _ in tool_episode(data.Problem("mul-347-28", "What is 347 * 28?", "9716", columns={"a": 347, "b": 28}),
     ...                              call=True, rng=random.Random(0))][1:]
-    ['<call>multiply(347, 28)</call>', '\nResult: 9716\n', '#### 9716']
+    ['<call>multiply(347, 28)</call>', '\\nResult: 9716\\n', '#### 9716']
     """
     from .tools import PlainParser
 
