@@ -198,8 +198,8 @@ def test_alignment_multi_turn_mode_compares_the_model_tokens_of_whole_episodes(c
     the multiturn_ keys mirroring the single-turn ones, the stream's environment ids left out."""
     import json
 
-    load_bench("alignment").main(["--multi-turn", "--engines", "hf", "--problems", "2", "--group-size", "2",
-                                  "--max-new-tokens", "48", "--min-tokens", "40"])
+    load_bench("alignment").main(["--multi-turn", "--engines", "hf", "--problems", "2", "--group-size", "1",
+                                  "--max-turns", "2", "--max-new-tokens", "48", "--min-tokens", "40"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["multi_turn"] is True
     for k in ("tokens", "ratio_mean", "ratio_std", "max_abs_dlogp", "truncated"):  # the single-turn names
@@ -218,9 +218,9 @@ def test_multiturn_throughput_measures_both_sides_on_one_engine():
     mt = load_bench("multiturn_throughput")
     engine = HFEngine(str(tiny.ensure_tiny_model()), max_model_len=512)
     cfg = EpisodeConfig(max_turns=2, max_turn_tokens=48, max_episode_tokens=128, tool_workers=1)
-    r = mt.measure(engine, data.synthetic_problems(2, split="train", seed=0), group_size=2, tool_latency_s=0.2,
+    r = mt.measure(engine, data.synthetic_problems(1, split="train", seed=0), group_size=3, tool_latency_s=0.2,
                    repeats=2, warmup=False, episode_cfg=cfg)
-    assert r["multiturn_episodes"] == 4 and r["multiturn_tool_calls"] >= 2  # turns ended by EOS called the tool
+    assert r["multiturn_episodes"] == 3 and r["multiturn_tool_calls"] >= 2  # turns ended by EOS called the tool
     assert r["multiturn_calls"] >= 2 and r["single_tokens"] >= r["multiturn_tokens"] > 0
     # the tool calls run one at a time on the runner's single thread, 0.2 s each, inside the wall time
     assert r["multiturn_wall_s"] >= 0.2 * r["multiturn_tool_calls"]
