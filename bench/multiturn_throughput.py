@@ -2,7 +2,7 @@
 
     python bench/multiturn_throughput.py [--engines vllm [hf]] [--model tiny] [--problems 8] [--group-size 4]
                                          [--turns 3] [--turn-tokens 48] [--tool-latency-ms 50] [--tool-workers N]
-                                         [--repeats 5]
+                                         [--tool-gather-ms MS] [--repeats 5]
 
 Multi-turn side: ``--problems`` x ``--group-size`` episodes in one chunk (one
 :meth:`grpo_kit.episode.EpisodeRunner.run`, as a rollout task plays them), the
@@ -21,8 +21,9 @@ to waiting. ``multiturn_engine_busy_share`` is the multi-turn side's time inside
 over its wall time; the rest is tool waits (``tool_gather_s`` included) and the runner's own work.
 The profile keys say where a low ratio comes from: engine calls and rows per call (a call per turn
 wave, smaller batches as episodes end or wait), the prompt ids each call re-reads (the whole stream
-each turn: ``multiturn_prompt_tokens`` against ``single_prompt_tokens``) and the seconds outside the
-engine. The machine is shared: absolute tokens/s are context only; the paired ratio is the figure.
+each turn: ``multiturn_prompt_tokens`` against ``single_prompt_tokens``), the seconds outside the
+engine and the CPU seconds spent there (``multiturn_cpu_outside_engine_s``: the runner's rendering,
+decoding and parsing, and the tool threads). The machine is shared: absolute tokens/s are context only; the paired ratio is the figure.
 
 :func:`measure` takes a built engine (``bench/multiturn.py`` imports it); :func:`make_engine` builds
 one the way ``__main__`` does. vLLM's CPU engine must start under ``if __name__ == "__main__"``.
@@ -57,9 +58,9 @@ class Timed:
         self.calls: list[dict] = []
 
     def sample_ids(self, prompts, **kw):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self.engine.sample_ids(prompts, **kw)
-        self.calls.append({"s": time.perf_counter() - t0, "rows": len(prompts), "prompt_tokens": sum(map(len, prompts)),
+        self.calls.append({"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "rows": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                            "tokens": sum(len(c.ids) for c in out)})
         return out
 
@@ -70,6 +71,7 @@ class Timed:
                 f"{prefix}rows_per_call": sum(c["rows"] for c in self.calls) / max(len(self.calls), 1),
                 f"{prefix}prompt_tokens": sum(c["prompt_tokens"] for c in self.calls),
                 f"{prefix}wall_s": wall, f"{prefix}engine_s": busy, f"{prefix}engine_busy_share": busy / wall,
+                f"{prefix}cpu_outside_engine_s": cpu - sum(c["cpu_s"] for c in self.calls),
                 f"{prefix}call_rows": [c["rows"] for c in self.calls],
                 f"{prefix}call_tokens_per_s": [round(c["tokens"] / c["s"]) for c in self.calls]}
 
@@ -168,6 +170,7 @@ def main(argv=None) -> None:
     ap.add_argument("--turn-tokens", type=int, default=48)
     ap.add_argument("--tool-latency-ms", type=float, default=50.0)
     ap.add_argument("--tool-workers", type=int, default=None, help="the runner's tool threads (default: EpisodeConfig's)")
+    ap.add_argument("--tool-gather-ms", type=float, default=None, help="the runner's tool_gather_s in ms (default: EpisodeConfig's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--version", type=int, default=1, help="1: a perturbed adapter; 0: the base model")
     args = ap.parse_args(argv)
@@ -178,7 +181,8 @@ def main(argv=None) -> None:
     problems = data.synthetic_problems(args.problems, split="train", seed=0, n_digits=3 if args.model == "tiny" else 2)
     cfg = EpisodeConfig(max_turns=args.turns, max_turn_tokens=args.turn_tokens,
                         max_episode_tokens=args.turns * (args.turn_tokens + 16),
-                        **({"tool_workers": args.tool_workers} if args.tool_workers else {}))
+                        **({"tool_workers": args.tool_workers} if args.tool_workers else {}),
+                        **({"tool_gather_s": args.tool_gather_ms / 1000} if args.tool_gather_ms is not None else {}))
     result = {"model": args.model}
     for name in args.engines:
         engine = make_engine(name, path, store)
