@@ -180,3 +180,51 @@ def test_tiny_prompts_are_the_kits_plain_text(vs_trl):
     prompts, reward = vs_trl.trl_inputs(cfg, rows, AutoTokenizer.from_pretrained(models.resolve_model("tiny")))
     assert prompts == [p.prompt for p in rows]
     assert reward([f"#### {rows[1].gold}", "#### x"], row=[1, 1]) == [1.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- multi-turn benches
+
+
+def load_bench(name: str):
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_alignment_multi_turn_mode_compares_the_model_tokens_of_whole_episodes(capsys):
+    """bench/alignment.py --multi-turn on the HF engine with few tokens: episodes of several turns,
+    the multiturn_ keys mirroring the single-turn ones, the stream's environment ids left out."""
+    import json
+
+    load_bench("alignment").main(["--multi-turn", "--engines", "hf", "--problems", "2", "--group-size", "1",
+                                  "--max-turns", "2", "--max-new-tokens", "48", "--min-tokens", "40"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["multi_turn"] is True
+    for k in ("tokens", "ratio_mean", "ratio_std", "max_abs_dlogp", "truncated"):  # the single-turn names
+        assert f"multiturn_hf_{k}" in out and f"hf_{k}" not in out
+    assert out["multiturn_hf_tokens"] >= 40 and out["multiturn_hf_env_tokens"] > 0
+    assert out["multiturn_hf_multi_turn_share"] > 0 and out["multiturn_hf_turns_mean"] > 1
+    # env ids (log-prob 0.0 recorded) scored as the model's would be far off: only mask-1 ids compared
+    assert out["multiturn_hf_max_abs_dlogp"] <= 1e-3 and abs(out["multiturn_hf_ratio_mean"] - 1) <= 1e-4
+
+
+def test_multiturn_throughput_measures_both_sides_on_one_engine():
+    from grpo_kit import tiny
+    from grpo_kit.config import EpisodeConfig
+    from grpo_kit.rollout import HFEngine
+
+    mt = load_bench("multiturn_throughput")
+    engine = HFEngine(str(tiny.ensure_tiny_model()), max_model_len=512)
+    cfg = EpisodeConfig(max_turns=2, max_turn_tokens=48, max_episode_tokens=128, tool_workers=1)
+    r = mt.measure(engine, data.synthetic_problems(1, split="train", seed=0), group_size=3, tool_latency_s=0.2,
+                   repeats=2, warmup=False, episode_cfg=cfg)
+    assert r["multiturn_episodes"] == 3 and r["multiturn_tool_calls"] >= 2  # turns ended by EOS called the tool
+    assert r["multiturn_calls"] >= 2 and r["single_tokens"] >= r["multiturn_tokens"] > 0
+    # the tool calls run one at a time on the runner's single thread, 0.2 s each, inside the wall time
+    assert r["multiturn_wall_s"] >= 0.2 * r["multiturn_tool_calls"]
+    assert 0 < r["multiturn_engine_busy_share"] < 1
+    assert r["multiturn_prompt_tokens"] > r["single_prompt_tokens"] / r["single_calls"]  # later turns re-read the stream
+    assert len(r["multiturn_vs_single_tokens_per_s_all"]) == 2 and r["multiturn_vs_single_tokens_per_s"] > 0
+    engine.close()
