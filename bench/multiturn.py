@@ -13,6 +13,12 @@ Parts (``--parts``, comma-separated; each returns a dict of figures and :func:`m
   evaluations of the base and final adapters (``remote.eval_task`` on the episodes). Overrides such
   as ``lr=2e-3`` go to the profile.
 
+- ``smol``: SmolLM2-135M-Instruct on the calculator task (2-digit factors, Hermes tool calls):
+  greedy strict accuracy and sampled tool-call rate of the base model, and GRPO where it calls the
+  tool often enough to give a signal (``smol_skipped`` otherwise).
+- ``throughput``: multi-turn against single-turn model tokens/s on one vLLM engine
+  (``bench/multiturn_throughput.py``): ``multiturn_vs_single_tokens_per_s``, ``multiturn_engine_busy_share``.
+
 Ends with ONE JSON line: the merged figures (``tiny_acc_before``, ``tiny_acc_after``,
 ``tiny_tool_rate_before``, ``tiny_tool_rate_after``, ``tiny_grpo_wall_s``, ...), all measured.
 """
@@ -28,6 +34,8 @@ import time
 from collections.abc import Callable
 
 from grpo_kit import config, loop, tasks
+
+sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent))  # bench/multiturn_throughput.py
 
 
 def parse_overrides(pairs: list[str]) -> dict:
@@ -120,17 +128,77 @@ def tiny_part(args) -> dict:
     }
 
 
-PARTS: dict[str, Callable] = {"tiny": tiny_part}
+SMOL_MIN_TOOL_RATE = 0.05
+"""The sampled tool-call rate below which the smol part does not train: with fewer of a group's
+episodes calling the tool, GRPO has almost no group with a right answer to reinforce."""
+
+
+def smol_part(args) -> dict:
+    """SmolLM2-135M-Instruct on the calculator task (the smol profile's model and chat template, the
+    Hermes tool-call format in a system message, since its template ignores ``tools=``): greedy
+    strict accuracy and the sampled tool-call rate of the base model; GRPO only where the base model
+    calls the tool at least :data:`SMOL_MIN_TOOL_RATE` of the time (``smol_skipped`` says why not)."""
+    from grpo_kit import models
+
+    over = {"task": "calculator", "n_digits": 2, "max_turns": 2, "max_turn_tokens": 64, "max_episode_tokens": 160,
+            "max_model_len": 512, "system_prompt": None, "stop": (), "run_dir": f"{args.run_dir}/smol",
+            **parse_overrides(args.overrides)}
+    cfg = config.profile("smol", **over)
+    path = models.resolve_model(cfg.model.model, progress=False)
+    greedy = play(path, cfg, args.smol_problems, temperature=0.0)
+    sampled = play(path, cfg, args.smol_problems, temperature=cfg.sampling.temperature, samples=4, seed=1)
+    print(f"smol base: greedy {greedy}\n           sampled {sampled}", flush=True)
+    out = {"smol_strict_before": greedy["acc"], "smol_tool_rate_before": greedy["tool_rate"],
+           "smol_sampled_tool_rate_before": sampled["tool_rate"], "smol_sampled_acc_before": sampled["acc"],
+           "smol_eval_size": greedy["n"], "smol_strict_after": None, "smol_grpo_wall_s": None}
+    if sampled["tool_rate"] < SMOL_MIN_TOOL_RATE:
+        out["smol_skipped"] = (f"the base model called the tool in {sampled['tool_rate']:.0%} of {sampled['n']} sampled "
+                               f"episodes (< {SMOL_MIN_TOOL_RATE:.0%}): no signal to train on")
+        return out
+    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
+    res = loop.run(cfg.override(iterations=args.smol_iterations), progress=False)
+    out.update(smol_strict_after=res.summary["acc_after"], smol_grpo_wall_s=res.summary["grpo_wall_s"],
+               smol_tool_rate_after=res.summary.get("tool_rate_after"))
+    return out
+
+
+def throughput_part(args) -> dict:
+    """Model tokens/s of multi-turn episodes against single-turn sampling on one vLLM engine (the
+    tiny model, a 50 ms tool): ``bench/multiturn_throughput.py``'s ``measure``, with its keys."""
+    import tempfile
+
+    import multiturn_throughput as mt
+
+    from grpo_kit import data, models
+    from grpo_kit.adapters import AdapterStore
+    from grpo_kit.config import EpisodeConfig
+    from grpo_kit.testing import perturbed_adapter
+
+    path = models.resolve_model("tiny")
+    store = AdapterStore(tempfile.mkdtemp(prefix="bench-multiturn-"))
+    store.publish(perturbed_adapter(path, seed=1), 1)
+    problems = data.synthetic_problems(8, split="train", seed=0)
+    engine = mt.make_engine("vllm", path, store)
+    try:
+        return mt.measure(engine, problems, group_size=4, tool_latency_s=0.05, version=1, repeats=5,
+                          episode_cfg=EpisodeConfig(max_turns=3, max_turn_tokens=48, max_episode_tokens=3 * 64))
+    finally:
+        engine.close()
+
+
+PARTS: dict[str, Callable] = {"tiny": tiny_part, "smol": smol_part, "throughput": throughput_part}
 """Each part's figures (keys prefixed with the part's name); more parts plug in here."""
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default="tiny", help=f"comma-separated parts to run, of {sorted(PARTS)}")
+    ap.add_argument("--parts", default="tiny,smol,throughput", help=f"comma-separated parts to run, of {sorted(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=600.0, help="stop a GRPO run after this much wall time")
     ap.add_argument("--run-dir", default="runs/multiturn")
     ap.add_argument("--sampled-problems", type=int, default=32, help="held-out questions of the sampled base measurement")
-    ap.add_argument("overrides", nargs="*", help="profile overrides, name=value")
+    ap.add_argument("--smol-problems", type=int, default=16, help="held-out questions of the smol part's base measurement")
+    ap.add_argument("--smol-iterations", type=int, default=40, help="GRPO iterations of the smol part (when it trains)")
+    ap.add_argument("overrides", nargs="*", help="profile overrides, name=value (the tiny and smol parts)")
     args = ap.parse_args(argv)
     names = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(names) - set(PARTS))
@@ -145,5 +213,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # engines start here (vLLM CPU), never at import
     sys.exit(0 if main() else 1)
