@@ -7,9 +7,9 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-# the offline models the tests use, built once (tiny: ~3 min of pretraining; smollm2-135m: ~30 s)
+# the offline models the tests use, built once (tiny: ~3 min of pretraining; tiny-tools: the tool-use variant; smollm2-135m: ~30 s)
 models: setup
-	$(PY) -m grpo_kit.models tiny smollm2-135m
+	$(PY) -m grpo_kit.models tiny tiny-tools smollm2-135m
 
 # a single-node Slurm on this machine for the Slurm tests (root: installs slurm-wlm + munge with apt)
 slurm:
