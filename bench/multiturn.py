@@ -26,7 +26,6 @@ Ends with ONE JSON line: the merged figures (``tiny_acc_before``, ``tiny_acc_aft
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import shutil
 import sys
@@ -35,18 +34,9 @@ from collections.abc import Callable
 
 from grpo_kit import config, loop, tasks
 
-sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent))  # bench/multiturn_throughput.py
+sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent))  # the other benches' modules
 
-
-def parse_overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
+from real_model import parse_overrides  # noqa: E402
 
 
 def play(model_path: str, cfg, n: int, *, temperature: float, samples: int = 1, seed: int = 0) -> dict:

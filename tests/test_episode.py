@@ -16,8 +16,7 @@ from grpo_kit import data, models, tiny
 from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed, to_rollout
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation, HFEngine
-from grpo_kit.testing import assert_aligned, policy
-from grpo_kit.tools import ToolCall
+from grpo_kit.testing import CallEveryTurn, Notes, assert_aligned, policy
 from grpo_kit.train_step import token_logprobs
 
 
@@ -36,32 +35,9 @@ class Recording:
         return out
 
 
-class Scripted:
-    """A parser that reads a call to ``note`` in every turn, so a model that never learned tools
-    still plays multi-turn episodes."""
-
-    def parse(self, text):
-        return [ToolCall("note", kwargs={"text": text[:12]})]
-
-
-class Notes:
-    """An environment written for TRL's environment_factory: reset, a public tool, get_reward."""
-
-    def reset(self, **kwargs) -> str | None:
-        self.notes = []
-        return None
-
-    def note(self, text: str) -> str:
-        """Write a note down.
-
-        Args:
-            text: What to note.
-        """
-        self.notes.append(text)
-        return f"noted {len(self.notes)}"
-
-    def get_reward(self) -> float:
-        return float(len(self.notes))
+Scripted = CallEveryTurn
+"""A parser that reads a call to ``note`` in every turn, so a model that never learned tools still
+plays multi-turn episodes; ``Notes`` is an environment written for TRL's environment_factory."""
 
 
 def teacher_forced(model, episodes) -> torch.Tensor:
