@@ -64,7 +64,8 @@ class Task:
     problems: Callable[[str, int, int], Sequence[Problem]]
     """``(split, n, seed) -> problems``; ``split`` is ``"train"`` or ``"heldout"``; ``n`` caps the count."""
     rewards: Sequence[RewardFn] = ()
-    """Reward functions (TRL's signature); the first one defines accuracy."""
+    """Reward functions (TRL's signature); the first one defines accuracy. Empty only with an
+    ``environment_factory``: then the environment's ``get_reward()`` (:func:`env_reward`)."""
     weights: Sequence[float] | None = None
     """One weight per reward function; None weighs each 1."""
     instruction: str = ""
