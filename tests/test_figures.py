@@ -186,11 +186,15 @@ def _plain(v):
     return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
-def test_figure_data_matches_the_figures():
-    """FIGURE_DATA (what a live update copies) is what the figure builders draw, trace by trace."""
-    records = synthetic_records(12)
-    for name, build in figures.FIGURES.items():
-        fig, arrays = build(records), figures.FIGURE_DATA[name](records)
+@pytest.mark.parametrize("episodes", [False, True], ids=["run", "episodes"])
+def test_figure_data_matches_the_figures(episodes):
+    """FIGURE_DATA (what a live update copies) is what the figure builders draw, trace by trace; the
+    same for a multi-turn run's EPISODE_FIGURE_DATA."""
+    records = synthetic_episode_records(12) if episodes else synthetic_records(12)
+    builders, data = ((figures.EPISODE_FIGURES, figures.EPISODE_FIGURE_DATA) if episodes
+                      else (figures.FIGURES, figures.FIGURE_DATA))
+    for name, build in builders.items():
+        fig, arrays = build(records), data[name](records)
         assert len(fig.data) == len(arrays), name
         for tr, arr in zip(fig.data, arrays, strict=True):
             for key, val in arr.items():
@@ -268,13 +272,3 @@ def test_episode_figures_survive_missing_and_odd_data(records):
         assert EPISODE_EXPECTED[key] <= names(fig), key
         fig.to_json()
     report.final_numbers(records)
-
-
-def test_episode_figure_data_matches_the_figures():
-    records = synthetic_episode_records(12)
-    for name, build in figures.EPISODE_FIGURES.items():
-        fig, arrays = build(records), figures.EPISODE_FIGURE_DATA[name](records)
-        assert len(fig.data) == len(arrays), name
-        for tr, arr in zip(fig.data, arrays, strict=True):
-            for key, val in arr.items():
-                assert _plain(tr[key] if tr[key] is not None else []) == _plain(val), (name, tr.name, key)
