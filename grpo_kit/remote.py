@@ -22,7 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from distributed import Client, WorkerPlugin, get_worker
+from distributed import Client, Future, WorkerPlugin, get_worker, wait
 from distributed.scheduler import KilledWorker
 
 from .adapters import AdapterStore
@@ -200,23 +200,53 @@ def warm_engine(n: int = 4, max_new_tokens: int = 8, engine=None) -> float:
     return time.time() - t0 + (plugin.warm_s if plugin is not None else 0.0)
 
 
-def warm_up(client: Client, gang: TrainerGang, version: int, key: str) -> dict:
+def warm_up(client: Client, gang: TrainerGang, version: int, key: str, poll_s: float = 1.0) -> dict:
     """Build every rollout worker's engine and every gang rank's policy (at ``version``), concurrently,
-    before the first iteration. Each task prefers its worker; if that worker leaves, another of the
-    role runs it, so nothing waits on a dead worker. A failed build raises here, before any batch.
-    Returns the seconds each part took on its worker."""
+    before the first iteration. Returns the seconds each part took on its worker; a part whose worker
+    left the cluster meanwhile is left out (nothing waits on a dead worker: a rollout worker that
+    replaces it warms itself through the engine plugin, a trainer's loss re-forms the gang at the first
+    step). A failed build raises here, before any batch.
+
+    Each task is pinned to its worker *strictly*. Dask's softer form, ``workers=[w],
+    allow_other_workers=True`` with a ``resources=`` restriction, sends the task to *any* worker once
+    ``w`` is gone or not running (``distributed.scheduler.decide_worker`` drops the resource
+    restriction with the worker one): a trainer worker handed an engine task fails with
+    ``KeyError: 'rollout'`` in the scheduler's and the worker's state machines, which lost a trainer
+    worker mid-test (tests/test_remote.py)."""
     rollout = wait_until_warm(client)
-    futures = {
-        f"engine {w}": client.submit(warm_engine, workers=[w], allow_other_workers=True, resources={ROLLOUT: 1},
-                                     key=f"{key}-warm-engine-{i}", pure=False)
+    parts = {
+        f"engine {w}": (w, client.submit(warm_engine, workers=[w], allow_other_workers=False, resources={ROLLOUT: 1},
+                                         key=f"{key}-warm-engine-{i}", pure=False))
         for i, w in enumerate(rollout)
     }
     for spec, w in zip(gang.specs(), gang.workers, strict=True):
-        futures[f"trainer rank {spec.rank}"] = client.submit(
-            warm, spec, version, workers=[w], allow_other_workers=True, resources={TRAINER: 1},
+        parts[f"trainer rank {spec.rank}"] = (w, client.submit(
+            warm, spec, version, workers=[w], allow_other_workers=False, resources={TRAINER: 1},
             key=f"{key}-warm-trainer-{spec.rank}", pure=False,
-        )
-    return dict(zip(futures, client.gather(list(futures.values())), strict=True))
+        ))
+    return gather_pinned(client, parts, poll_s)
+
+
+def gather_pinned(client: Client, parts: dict[str, tuple[str, Future]], poll_s: float = 1.0) -> dict:
+    """The results of futures each pinned to one worker (``name: (address, future)``), in order,
+    without the ones whose worker left the cluster before they finished (cancelled: Dask would keep
+    them waiting for that worker forever). The first task that failed raises its error."""
+    out, pending = {}, dict(parts)
+    while pending:
+        try:
+            wait([f for _, f in pending.values()], timeout=poll_s, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            pass
+        present = set(client.scheduler_info(n_workers=-1)["workers"]) if pending else set()
+        for name, (w, f) in list(pending.items()):
+            if f.done():
+                out[name] = f.result()
+                del pending[name]
+            elif w not in present:
+                log.warning("%s: its worker %s left the cluster; not waiting for it", name, w)
+                f.cancel()
+                del pending[name]
+    return {name: out[name] for name in parts if name in out}
 
 
 def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:

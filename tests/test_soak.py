@@ -1,19 +1,17 @@
-"""Long-run memory: Dask's task profiler is off on the kit's workers, and a short soak
-(bench/soak.py) finds no rollout-worker RSS growth beyond the noise.
+"""Long-run memory: Dask's task profiler is off on the kit's workers (checked directly), and the
+soak bench (bench/soak.py) runs end to end.
 
 Before the profiler was turned off, the 300-iteration soak measured the rollout worker growing
 48 MB per 100 iterations (the profiler's per-second call trees of vLLM's deep stacks); the goal is
-<= 5 MB per 100 iterations. The soak test's bound (20) sits between the two, above the noise of a
-50-iteration fit on a shared machine.
+<= 5 MB per 100 iterations, measured by ``python bench/soak.py`` (README's table), not here.
 
-The soak test fits iterations 70 to 119 (SOAK): the rollout worker's RSS still climbs after
-iteration 50 (a 150-iteration run, sampled every 5: 808 MB at 0, 974 at 50, 982 at 75, then flat to
-984 at 149), so a fit from 40 or 50 to 100 read 21.7 and 20.6 MB per 100 iterations from that
-settling alone, while 70 to 120 read 2.5 (50 to 150: 2.5). A leak of the profiler's size (48) over
-those 50 iterations is 24 MB, and an unbounded fetched-adapter cache (0.33 MB an adapter) 16 MB
-against the 5 MB bound on the temp directory. (The profiler leak itself no longer shows here: with the
-profiler left on in both workers, connect's setting and ThreadsPlugin's stop patched out, the rollout
-slope read 9.6 on 120/70 and 1.6 on the former 150/50; the two tests above check the profiler directly.)
+The suite ran a 120-iteration soak (fitting iterations 70 to 119, bound 20 MB per 100) until it was
+shown blind to the leak it was written for: with the profiler left on in both workers (connect's
+setting and ThreadsPlugin's stop patched out) the rollout slope read 9.6 on 120/70 and 1.6 on
+150/50, under the bound both times, and the rollout worker's RSS still settles until about
+iteration 70 (808 MB at 0, 974 at 50, 982 at 75, flat to 984 at 149), so a shorter fit reads the
+settling. It cost 230 s, the suite's slowest test. The two profiler tests below check the cause
+directly; the fetched-adapter cache's bound is tests/test_adapters.py's.
 """
 
 from __future__ import annotations
@@ -87,14 +85,19 @@ def test_theil_sen_ignores_outliers(soak):
     assert soak.theil_sen(xs, ys) == pytest.approx(0.02)
 
 
-SOAK = ["--iterations", "120", "--warmup", "70", "--sample-every", "5", "--live-points", "1000"]
-"""bench/soak.py's arguments for the soak test (the module docstring says why these)."""
+SOAK = ["--iterations", "12", "--warmup", "4", "--sample-every", "2", "--live-points", "100", "--engine", "hf"]
+"""bench/soak.py's arguments for the smoke test: the bench runs end to end and reports every figure."""
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_rollout_worker_rss_is_flat_over_a_short_soak(soak, tmp_path):
+def test_soak_bench_reports_every_figure(soak, tmp_path):
+    """The soak bench runs and measures (a smoke test: its figures come from ``python bench/soak.py``).
+
+    The suite no longer fits an RSS slope: the 120-iteration soak it ran (230 s, the suite's slowest
+    test) could not see the profiler leak it was written for (module docstring), which the two
+    profiler tests above check directly, and the fetched-adapter cache's bound is
+    tests/test_adapters.py's test_fetch_cache_keeps_the_last_few_versions."""
     out = soak.main([*SOAK, "--root", str(tmp_path)])
-    slopes = out["rss_slope_mb_per_100_it"]
-    assert slopes["rollout"] < 20, out
-    assert out["tmp_growth_mb"] < 5, out  # the fetched-adapter cache is bounded
+    assert {"driver", "rollout", "trainer"} <= set(out["rss_slope_mb_per_100_it"]), out
+    assert all(v == v and abs(v) < 1e4 for v in out["rss_slope_mb_per_100_it"].values()), out  # finite
+    assert out["report_mb"] > 0 and out["live_update_ms"], out
+    assert out["store_mb"] > 0 and out["tmp_growth_mb"] == out["tmp_growth_mb"], out

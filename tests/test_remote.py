@@ -1,0 +1,51 @@
+"""remote: the warm-up before the first batch on a real LocalCluster (one rollout, one trainer
+worker), when a worker it was given has left the cluster."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from grpo_kit import cluster as cl
+from grpo_kit import config, models, remote
+
+CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1}
+GONE = "tcp://127.0.0.1:9"
+"""A worker address that is not in the cluster (a rollout worker that left during the warm-up)."""
+
+
+def _placements(dask_scheduler) -> dict:
+    return {k: ts.processing_on.address for k, ts in dask_scheduler.tasks.items() if ts.processing_on is not None}
+
+
+def test_warm_up_leaves_out_a_worker_that_left_and_touches_no_other_role(client, tmp_path, monkeypatch):
+    """The engine warm-up task of a rollout worker that is gone is dropped, not sent elsewhere.
+
+    Before the fix it was pinned with ``allow_other_workers=True``: Dask then placed it on the
+    trainer worker (the only other one), the scheduler's and the worker's state machines failed with
+    ``KeyError: 'rollout'``, and a trainer worker was lost (test_loop's elastic-fleet test, 2 of 2
+    trainers -> 1)."""
+    cfg = config.profile("tiny", engine="hf", run_dir=str(tmp_path / "run"))
+    remote.register_engines(client, cfg, models.resolve_model(cfg.model.model))
+    [rollout] = cl.workers_with(client, cl.ROLLOUT)
+    trainers = cl.workers_with(client, cl.TRAINER)
+    monkeypatch.setattr(remote, "wait_until_warm", lambda c: [GONE, rollout])
+    no_gang = SimpleNamespace(specs=list, workers=[])
+
+    out = remote.warm_up(client, no_gang, 0, "warm-test")
+
+    assert list(out) == [f"engine {rollout}"] and out[f"engine {rollout}"] > 0
+    assert cl.workers_with(client, cl.TRAINER) == trainers  # the trainer worker is still there
+    assert not any(w in trainers for w in client.run_on_scheduler(_placements).values())
+    # and the cluster still places work by role
+    assert client.submit(sum, [1, 2], resources={cl.TRAINER: 1}, pure=False).result(timeout=60) == 3
+
+
+def test_gather_pinned_raises_a_failed_tasks_error(client):
+    [trainer] = cl.workers_with(client, cl.TRAINER)
+    bad = client.submit(int, "x", workers=[trainer], allow_other_workers=False, pure=False)
+    try:
+        remote.gather_pinned(client, {"bad": (trainer, bad)})
+    except ValueError as e:
+        assert "invalid literal" in str(e)
+    else:
+        raise AssertionError("gather_pinned returned past a failed task")
