@@ -7,7 +7,8 @@ PYTEST_ARGS ?=
 setup:
 	@bash scripts/setup.sh
 
-# the offline models the tests use, built once (tiny: ~3 min of pretraining; tiny-tools: the tool-use variant; smollm2-135m: ~30 s)
+# the offline models the tests use, into the model cache once (tiny, tiny-tools: copied from grpo_kit/prebuilt/,
+# GRPO_KIT_TINY_BUILD=1 pretrains them, ~6 and ~5.5 min; smollm2-135m: de-quantized, ~30 s)
 models: setup
 	$(PY) -m grpo_kit.models tiny tiny-tools smollm2-135m
 

@@ -3,7 +3,8 @@ local directory *before* any cluster starts, with an error that names what was t
 
 Built-in names (offline, cached under ``GRPO_KIT_CACHE``, default ``~/.cache/grpo_kit``):
 
-- ``"tiny"``: the kit's own 0.83M-parameter model (:mod:`grpo_kit.tiny`), pretrained on first use.
+- ``"tiny"``: the kit's own 0.83M-parameter model (:mod:`grpo_kit.tiny`), shipped prebuilt
+  (:data:`grpo_kit.tiny.PREBUILT`) and copied into the cache on first use.
 - ``"tiny-tools"``: the same architecture pretrained on the calculator task's tool episodes
   (:data:`grpo_kit.tiny.TOOLS_SPEC`): it calls its ``multiply`` tool now and then (the ``tiny-tools`` profile).
 - ``"smollm2-135m"``: SmolLM2-135M-Instruct (Apache-2.0), a real pretrained chat model. PyPI's

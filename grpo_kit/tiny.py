@@ -331,6 +331,13 @@ def ensure_tiny_model(spec: TinySpec | None = None, *, cache_dir: str | os.PathL
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (out / "grpo_kit_tiny.json").exists():
             return out
+        shipped = prebuilt(spec)
+        if shipped is not None:
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=".copy-"))
+            for f in shipped.iterdir():
+                shutil.copyfile(f, tmp / f.name)
+            tmp.rename(out)
+            return out
         import torch
 
         threads = torch.get_num_threads()
@@ -348,6 +355,27 @@ def ensure_tiny_model(spec: TinySpec | None = None, *, cache_dir: str | os.PathL
             shutil.rmtree(out)
         tmp.rename(out)
     return out
+
+
+PREBUILT = Path(__file__).resolve().parent / "prebuilt"
+"""The built-in tiny models as :func:`ensure_tiny_model` built them on the project's machine
+(``tiny-<key>/``, with their build record ``grpo_kit_tiny.json``): copied into the cache instead of
+pretraining them again (about 6 and 5.5 min of a fresh clone's set-up on 2 cores). A spec whose key
+has no shipped copy is pretrained as before; ``GRPO_KIT_TINY_BUILD=1`` pretrains every spec."""
+
+
+def prebuilt(spec: TinySpec | None = None) -> Path | None:
+    """The shipped copy of ``spec``'s model (:data:`PREBUILT`), or None: none for this key, or
+    ``GRPO_KIT_TINY_BUILD=1``. A copy counts only if its build record names the same spec and key."""
+    spec = spec or TinySpec()
+    d = PREBUILT / f"tiny-{spec.key()}"
+    if os.environ.get("GRPO_KIT_TINY_BUILD") == "1" or not (d / "grpo_kit_tiny.json").is_file():
+        return None
+    record = tiny_info(d)
+    held = record.get("spec", {})  # the addition model's record predates the tool fields
+    if record.get("key") != spec.key() or any(held.get(k, v) != v for k, v in dataclasses.asdict(spec).items()):
+        return None
+    return d
 
 
 def is_built(spec: TinySpec | None = None) -> bool:

@@ -32,6 +32,42 @@ def test_build_is_cached_by_spec(tmp_path):
     assert tiny.tiny_info(path)["spec"]["steps"] == 3
 
 
+@pytest.mark.parametrize("spec", [tiny.TinySpec(), tiny.TOOLS_SPEC], ids=["tiny", "tiny-tools"])
+def test_built_in_models_are_shipped_and_copied_not_pretrained(spec, tmp_path, monkeypatch):
+    """The kit ships both built-in tiny models (tiny.PREBUILT) for the specs it names: a change to a
+    spec, the stream format or the prompt template changes the key and must come with a re-shipped
+    build (``GRPO_KIT_TINY_BUILD=1 python -m grpo_kit.models tiny``, then copy it), or every fresh
+    clone pretrains for minutes again. ensure_tiny_model copies the shipped files byte for byte."""
+    shipped = tiny.prebuilt(spec)
+    assert shipped is not None and shipped.name == f"tiny-{spec.key()}", sorted(p.name for p in tiny.PREBUILT.iterdir())
+
+    def no_pretraining(*a, **k):
+        raise AssertionError("pretrained although a shipped copy exists")
+
+    monkeypatch.setattr(tiny, "pretrain", no_pretraining)
+    path = tiny.ensure_tiny_model(spec, cache_dir=tmp_path)
+    assert path == tmp_path / shipped.name
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == {f.name: f.read_bytes() for f in shipped.iterdir()}
+    assert tiny.tiny_info(path)["key"] == spec.key() and tiny.tiny_info(path)["pretrain_s"] > 0
+
+    monkeypatch.setenv("GRPO_KIT_TINY_BUILD", "1")  # pretrain anyway
+    assert tiny.prebuilt(spec) is None
+    with pytest.raises(AssertionError, match="pretrained although"):
+        tiny.ensure_tiny_model(spec, cache_dir=tmp_path / "again")
+
+
+def test_a_shipped_copy_of_another_spec_is_not_used(tmp_path, monkeypatch):
+    """A directory named for a key whose build record holds another spec is not taken."""
+    spec = tiny.TinySpec(steps=3)
+    fake = tmp_path / "prebuilt" / f"tiny-{spec.key()}"
+    fake.mkdir(parents=True)
+    (fake / "grpo_kit_tiny.json").write_text(json.dumps({"key": spec.key(), "spec": {**spec.__dict__, "steps": 4}}))
+    monkeypatch.setattr(tiny, "PREBUILT", tmp_path / "prebuilt")
+    assert tiny.prebuilt(spec) is None
+    (fake / "grpo_kit_tiny.json").write_text(json.dumps({"key": spec.key(), "spec": spec.__dict__}))
+    assert tiny.prebuilt(spec) == fake
+
+
 def test_tokenizer_round_trips_and_spells_digits():
     tok = tiny.build_tokenizer()
     for p in data.synthetic_problems(20, seed=4):
