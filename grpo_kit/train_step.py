@@ -62,8 +62,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from grpo_kit import algorithms
 from grpo_kit.config import LossConfig, OptimConfig
-from grpo_kit.loss import LossStats, Normalizer, grpo_loss
+from grpo_kit.loss import LossStats, Normalizer
 
 
 class Sample(NamedTuple):
@@ -317,6 +318,7 @@ def grpo_step(
     shard_sizes: Sequence[int] | None = None,
     max_len: int | None = None,
     temperature: float = 1.0,
+    policy_loss: algorithms.PolicyLoss | None = None,
 ) -> dict[str, float]:
     """One optimizer step on the FULL ``batch``, of which this rank processes its shard.
 
@@ -332,6 +334,9 @@ def grpo_step(
     engine-mismatch weight with ``old_logp_source="trainer"``; None otherwise), ``grad_norm`` (before clipping),
     ``tokens`` (the batch's scored completion tokens), ``tokens_trained`` (those of the rows trained: fewer
     when ``kl_beta == 0`` skips rows with advantage 0), ``samples``, ``samples_nonzero_adv``.
+    ``policy_loss``: the loss function (the contract in :mod:`grpo_kit.algorithms`); None takes the
+    one ``loss_cfg.policy_loss`` names. Rows with advantage 0 are skipped only for a loss that
+    declares them lossless (``zero_adv_is_zero``).
     """
     distributed = isinstance(model, DDP)
     module = model.module if distributed else model
@@ -369,7 +374,9 @@ def grpo_step(
         torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=pg)
     n_samples, n_tokens, n_nonzero = (int(c) for c in counts.tolist())
     norm = Normalizer(num_seqs=n_samples, num_tokens=n_tokens, max_len=int(longest) if max_len is None else max_len)
-    if loss_cfg.kl_beta == 0 and not bool((shard.adv != 0).all()):
+    loss_fn = algorithms.policy_loss(loss_cfg.policy_loss) if policy_loss is None else policy_loss
+    skip = loss_cfg.kl_beta == 0 and algorithms.skips_zero_adv(loss_fn)
+    if skip and not bool((shard.adv != 0).all()):
         shard = shard[(shard.adv != 0).nonzero().squeeze(1)]  # no loss term without an advantage (module docstring)
 
     # (2) local micro-batches; gradients accumulate without communication
@@ -391,20 +398,15 @@ def grpo_step(
                                temperature=temperature)  # (b, t)
             # old_logp_source="trainer": the trainer's own log-probs before this (single) update are
             # this forward's, detached; the engine's then only feed the mismatch weight
-            loss, st = grpo_loss(
+            loss, st = loss_fn(
                 logp,
                 logp.detach() if trainer_old else mb.old_logp,
                 ref_logp,
                 mb.adv,
                 mb.completion_mask,
-                clip_eps=loss_cfg.clip_eps,
-                clip_eps_high=loss_cfg.clip_eps_high,
-                kl_beta=loss_cfg.kl_beta,
-                loss_type=loss_cfg.loss_type,
+                cfg=loss_cfg,
                 norm=norm,
                 sampling_logp=mb.old_logp if correct else None,
-                is_mode=loss_cfg.importance_sampling_mode,
-                is_cap=loss_cfg.importance_sampling_cap,
             )
             # DDP averages gradients over ranks; the global loss is the SUM of the local ones
             (loss * world_size).backward()
