@@ -72,8 +72,8 @@ from grpo_kit.loss import (
     aggregate,
     check_inputs,
     check_mismatch,
-    grpo_loss,
     group_advantages,
+    grpo_loss,
     mismatch_weight,
     token_stats,
 )
