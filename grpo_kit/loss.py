@@ -334,6 +334,28 @@ def token_stats(ratio: Tensor, m: Tensor, clip_low: Tensor, clip_high: Tensor, k
         )
 
 
+MISMATCH_FAR = math.log(2.0)
+"""A token is far from the engine when its trainer log-prob differs by more than this (a 2x probability)."""
+
+
+def mismatch_sums(logp: Tensor, engine_logp: Tensor, mask: Tensor, far: float = MISMATCH_FAR) -> Tensor:
+    """``(3,)`` float64 detached sums over the masked tokens: the k3 KL from the engine's sampling
+    distribution to the trainer's, the tokens whose log-probs differ by more than ``far``, and the
+    trainer's ``-logp`` (a one-sample estimate of the sampled tokens' entropy). The tokens were
+    sampled by the engine, so with ``d = logp - engine_logp`` the k3 term ``exp(d) - d - 1`` is an
+    unbiased, non-negative estimate of KL(engine || trainer). Off-mask values are never read.
+
+    >>> mismatch_sums(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.0, float("nan")]]), torch.tensor([[1, 0]]))
+    tensor([0., 0., 1.], dtype=torch.float64)
+    """
+    with torch.no_grad():
+        m = mask.bool()
+        t = torch.where(m, logp.detach().to(torch.float64), 0.0)  # (B, T)
+        d = torch.where(m, t - engine_logp.to(torch.float64), 0.0)  # (B, T)
+        k3 = torch.exp(d) - d - 1.0  # (B, T) 0 off the mask
+        return torch.stack([k3.sum(), (d.abs() > far).sum().to(torch.float64), -t.sum()])  # (3,)
+
+
 def _weight_stats(w_raw: Tensor | None, cap: float, m: Tensor, mf: Tensor) -> dict[str, Tensor]:
     f64 = torch.float64
     if w_raw is None:
