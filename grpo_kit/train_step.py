@@ -42,7 +42,8 @@ single-process update on the whole batch for every ``loss_type``.
 
 Rows with advantage 0 (every row of a group without reward spread): their surrogate ``min(ratio * 0,
 clip(ratio) * 0)`` is 0 in value and gradient, so with ``kl_beta == 0`` they are skipped after the
-normalizers are counted (which keep them: the update is the one of the whole batch, exactly). The
+normalizers are counted (for any policy loss that declares the same, ``zero_adv_is_zero`` in
+:mod:`grpo_kit.algorithms`: every built-in does) (which keep them: the update is the one of the whole batch, exactly). The
 ratio, clip and weight stats then cover the trained tokens only (``tokens_trained``; ``tokens`` stays
 the batch's). With ``kl_beta > 0`` such a row still has the KL term's gradient, so every row is
 trained: skipping it would change the update (``SamplingConfig.dynamic_sampling`` drops those groups
