@@ -6,7 +6,8 @@ function to ``loop.run(..., policy_loss=fn, advantage=fn)``. Either way the driv
 to a function and the trainer ranks receive that function by cloudpickle (so a function defined in a
 notebook cell reaches them by value); ``config.json`` records a function given directly as
 ``module:qualname``. Names of that form are resolved by import, so an importable function needs no
-registration.
+registration. A function pickled by value carries the globals it references (keep a cell's loss
+free of references to big objects: it travels with every step's rank spec).
 
 Advantage contract::
 
