@@ -246,8 +246,22 @@ class LossConfig:
     ``vllm_importance_sampling_mode`` and its default): per token or per sequence, capped or zeroed above the cap."""
     importance_sampling_cap: float = 3.0
     """The cap (TRL's ``vllm_importance_sampling_cap``, 3.0 by default there; verl lists token caps 1.5-5)."""
+    policy_loss: str = "grpo"
+    """The policy loss (:mod:`grpo_kit.algorithms`): ``grpo`` (the clipped token ratio), ``gspo``
+    (sequence ratio, clipped at 3e-4/4e-4 unless clip_eps/clip_eps_high are set), ``cispo`` (clipped
+    stop-gradient weight on every token), a name registered with ``register_policy_loss``, or
+    ``module:qualname``."""
+    advantage: str = "grpo"
+    """The advantage estimator (:mod:`grpo_kit.algorithms`): ``grpo`` (group mean and std per
+    adv_scale), ``dr_grpo`` (group mean only), ``rloo`` (leave-one-out mean), ``reinforce_pp`` (group
+    mean, then whitened over the batch), a name registered with ``register_advantage``, or
+    ``module:qualname``."""
 
     def __post_init__(self) -> None:
+        from grpo_kit import algorithms  # the registries (they import the loss, which imports this module)
+
+        algorithms.check_name(self.policy_loss, "policy_loss")
+        algorithms.check_name(self.advantage, "advantage")
         _check(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         _check(self.clip_eps > 0, f"clip_eps must be > 0, got {self.clip_eps}")
         _check(self.clip_eps < 1, f"clip_eps must be < 1, got {self.clip_eps}")

@@ -14,12 +14,14 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 from distributed import Client, wait
 from distributed.scheduler import KilledWorker
 
+from . import algorithms
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
 from .loss import group_advantages
@@ -129,12 +131,14 @@ def batch_of(groups: list[Group], group_size: int) -> RolloutBatch:
     return RolloutBatch(futures, picks, group_size)
 
 
-def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: int, adv_scale: str) -> list[tuple]:
+def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: int, adv_scale: str,
+                  advantage: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> list[tuple]:
     """The trainer's samples ``(prompt_ids, completion_ids, logprobs, adv)`` for ``picks``, with the
     rollout's ``mask`` appended where it has one (a multi-turn episode's: 0 on environment ids). The
     advantages come from the rewards in ``scored``, as the driver computes them for its records:
     tokens and rewards always come from the same computation, even if Dask had to recompute a chunk
-    whose worker died after the driver read its summary.
+    whose worker died after the driver read its summary. ``advantage(rewards, group_size)`` replaces
+    the group advantages of ``adv_scale`` (an estimator of :mod:`grpo_kit.algorithms`).
 
     >>> chunk = {"rollouts": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-0.5], "reward": r} for r in (1.0, 0.0)]}
     >>> batch_samples([chunk], [(0, 1), (0, 0)], 2, "none")
@@ -145,7 +149,12 @@ def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: 
     """
     rows = [scored[c]["rollouts"][i] for c, i in picks]
     rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
-    adv = group_advantages(rewards, group_size, scale=adv_scale).tolist() if rows else []
+    if not rows:
+        adv = []
+    elif advantage is None:
+        adv = group_advantages(rewards, group_size, scale=adv_scale).tolist()
+    else:
+        adv = advantage(rewards, group_size).tolist()
     return [(r["prompt_ids"], r["completion_ids"], r["logprobs"], a) + ((r["mask"],) if r.get("mask") is not None else ())
             for r, a in zip(rows, adv, strict=True)]
 
@@ -154,7 +163,10 @@ def train_rank_on(spec: RankSpec, scored: list[dict], picks: list[tuple[int, int
                   iteration: int) -> dict:
     """One rank's part of a training step on a :class:`RolloutBatch` (a Dask task: ``scored`` arrives
     from the workers that hold it, never through the driver)."""
-    return train_rank(spec, batch_samples(scored, picks, group_size, spec.loss.adv_scale), version, iteration)
+    estimator = spec.advantage_function()
+    samples = batch_samples(scored, picks, group_size, spec.loss.adv_scale,
+                            advantage=lambda r, g: algorithms.compute_advantages(estimator, r, g, spec.loss))
+    return train_rank(spec, samples, version, iteration)
 
 
 class GangFailed(RuntimeError):

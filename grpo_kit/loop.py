@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import checkpoint, preflight, remote, tasks
+from . import algorithms, checkpoint, preflight, remote, tasks
 from . import cluster as cl
 from .adapters import AdapterStore
 from .config import Config
@@ -93,6 +93,8 @@ def run(
     storage_options: dict | None = None,
     progress: bool = True,
     task: Task | None = None,
+    policy_loss: Callable | None = None,
+    advantage: Callable | None = None,
 ) -> RunResult:
     """Run ``cfg.run.iterations`` GRPO iterations on a Dask cluster; returns records and summary.
 
@@ -102,10 +104,15 @@ def run(
     engines open the same root with the same options. ``callbacks`` are called with every record.
     ``task``: a :class:`~grpo_kit.tasks.Task` (e.g. rows and reward functions from a notebook cell);
     None uses the one ``cfg.data.task`` names.
+    ``policy_loss``/``advantage``: a function (e.g. from a notebook cell) that replaces the policy loss
+    or advantage estimator ``cfg`` names, with the contract of :mod:`grpo_kit.algorithms`; it travels
+    to the trainer ranks by cloudpickle and ``config.json`` records it as ``module:qualname``.
     One run at a time per cluster: a run registers its engines on every rollout worker.
     """
     from tqdm.auto import tqdm
 
+    cfg = cfg.override(**{k: algorithms.reference(fn) for k, fn in (("policy_loss", policy_loss),
+                                                                    ("advantage", advantage)) if fn is not None})
     run_dir = Path(cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     store = store or AdapterStore(cfg.run.store_root, storage_options)
@@ -138,7 +145,8 @@ def run(
             print("warming up: building rollout engines and trainer policies ...", flush=True)
         remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
-        spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options, multi_turn=task.multi_turn)
+        spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options, multi_turn=task.multi_turn,
+                                policy_loss=policy_loss, advantage=advantage)
         gang = TrainerGang(client, spec, max_restarts=cfg.cluster.max_restarts)
         fabric = None
         if cfg.cluster.world_size > 1 and cfg.cluster.preflight_sizes:  # before hours are spent on a slow fabric

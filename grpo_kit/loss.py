@@ -219,22 +219,9 @@ def grpo_loss(
     ``sampling_logp`` (B, T), when given, applies the engine-mismatch weight of ``is_mode`` capped at
     ``is_cap`` (module docstring); ``old_logp`` is then the trainer's.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if kl_beta > 0 and ref_logp is None:
-        raise ValueError("kl_beta > 0 needs ref_logp")
-    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape or adv.shape != logp.shape[:1]:
-        raise ValueError(
-            f"expected logp/old_logp/mask (B, T) and adv (B,); got {tuple(logp.shape)}, "
-            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(adv.shape)}"
-        )
+    check_inputs(logp, old_logp, ref_logp, adv, mask, kl_beta, loss_type)
     if sampling_logp is not None:
-        if is_mode not in IS_MODES:
-            raise ValueError(f"is_mode must be one of {IS_MODES}, got {is_mode!r}")
-        if not is_cap > 0:
-            raise ValueError(f"is_cap must be > 0, got {is_cap}")
-        if sampling_logp.shape != logp.shape:
-            raise ValueError(f"sampling_logp must be (B, T) like logp, got {tuple(sampling_logp.shape)}")
+        check_mismatch(logp, sampling_logp, is_mode, is_cap)
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
     m = mask.bool()  # (B, T)
     # torch.where, not a multiply: garbage (inf/NaN) off the mask must not reach values or gradients
@@ -245,25 +232,73 @@ def grpo_loss(
     ratio = torch.exp(logp - old_logp)  # (B, T)
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + eps_high)  # (B, T)
     surr = torch.minimum(ratio * a, clipped * a)  # (B, T)
-    w_raw = w = None
+    w_raw = None
     if sampling_logp is not None:
-        with torch.no_grad():
-            d = torch.where(m, old_logp.detach() - sampling_logp.to(logp.dtype), 0.0)  # (B, T)
-            if is_mode.startswith("sequence"):
-                d = d.sum(dim=1, keepdim=True).expand_as(d)  # (B, T): the sequence's log-weight on each token
-            w_raw = torch.exp(d)  # (B, T)
-            w = w_raw.clamp(max=is_cap) if is_mode.endswith("truncate") else torch.where(w_raw > is_cap, 0.0, w_raw)
+        w_raw, w = mismatch_weight(old_logp, sampling_logp, m, is_mode, is_cap)
         surr = surr * w
-    per_tok = -surr  # (B, T)
+    per_tok, k3 = add_kl(-surr, logp, ref_logp, m, kl_beta)  # (B, T)
+    loss = aggregate(per_tok, m, loss_type, norm)
+    with torch.no_grad():
+        # exactly where the min picks the clipped branch (whose slope in logp is 0)
+        stats = token_stats(ratio, m, (ratio < 1.0 - clip_eps) & (a < 0), (ratio > 1.0 + eps_high) & (a > 0), k3,
+                            w_raw, is_cap)
+    return loss, stats
+
+
+def check_inputs(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor, kl_beta: float,
+                 loss_type: str) -> None:
+    """The shape and argument checks every policy loss makes (:func:`grpo_loss`'s)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if kl_beta > 0 and ref_logp is None:
+        raise ValueError("kl_beta > 0 needs ref_logp")
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape or adv.shape != logp.shape[:1]:
+        raise ValueError(
+            f"expected logp/old_logp/mask (B, T) and adv (B,); got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}, {tuple(adv.shape)}"
+        )
+
+
+def check_mismatch(logp: Tensor, sampling_logp: Tensor, is_mode: str, is_cap: float) -> None:
+    """The checks of the engine-mismatch weight's arguments."""
+    if is_mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES}, got {is_mode!r}")
+    if not is_cap > 0:
+        raise ValueError(f"is_cap must be > 0, got {is_cap}")
+    if sampling_logp.shape != logp.shape:
+        raise ValueError(f"sampling_logp must be (B, T) like logp, got {tuple(sampling_logp.shape)}")
+
+
+def mismatch_weight(old_logp: Tensor, sampling_logp: Tensor, m: Tensor, is_mode: str,
+                    is_cap: float) -> tuple[Tensor, Tensor]:
+    """``(w_raw, w)`` (B, T), detached: the engine-mismatch weight before and after its cap (module
+    docstring); ``old_logp`` is the trainer's, already 0 off the boolean mask ``m``."""
+    with torch.no_grad():
+        d = torch.where(m, old_logp.detach() - sampling_logp.to(old_logp.dtype), 0.0)  # (B, T)
+        if is_mode.startswith("sequence"):
+            d = d.sum(dim=1, keepdim=True).expand_as(d)  # (B, T): the sequence's log-weight on each token
+        w_raw = torch.exp(d)  # (B, T)
+        w = w_raw.clamp(max=is_cap) if is_mode.endswith("truncate") else torch.where(w_raw > is_cap, 0.0, w_raw)
+    return w_raw, w
+
+
+def add_kl(per_tok: Tensor, logp: Tensor, ref_logp: Tensor | None, m: Tensor,
+           kl_beta: float) -> tuple[Tensor, Tensor | None]:
+    """``(per_tok + kl_beta * k3, k3)`` with ``k3`` (B, T) the KL estimate to ``ref_logp`` (None
+    without one), then 0 off the boolean mask ``m``. ``logp`` must already be 0 off the mask."""
     k3 = None
     if ref_logp is not None:
         d = torch.where(m, ref_logp.to(logp.dtype), 0.0) - logp  # (B, T)
         k3 = torch.exp(d) - d - 1.0  # (B, T)
         if kl_beta > 0:
             per_tok = per_tok + kl_beta * k3
-    per_tok = torch.where(m, per_tok, 0.0)  # (B, T)
+    return torch.where(m, per_tok, 0.0), k3  # (B, T)
 
-    B, T = logp.shape
+
+def aggregate(per_tok: Tensor, m: Tensor, loss_type: str, norm: Normalizer | None) -> Tensor:
+    """The loss ``per_tok`` (B, T, 0 off the boolean mask ``m``) aggregated by ``loss_type``: the
+    local sum over ``norm``'s global counts (None: this batch's own, dr_grpo's ``max_len`` is ``T``)."""
+    B, T = per_tok.shape
     tok_per_seq = m.sum(dim=1)  # (B,)
     if norm is None:  # this batch's own counts; the token count stays a tensor (no host sync)
         num_seqs, num_tokens, max_len = B, tok_per_seq.sum(), T
@@ -271,29 +306,54 @@ def grpo_loss(
         num_seqs, num_tokens, max_len = norm.num_seqs, norm.num_tokens, norm.max_len
     if loss_type == "grpo":
         seq_mean = per_tok.sum(dim=1) / tok_per_seq.clamp(min=1)  # (B,)
-        loss = seq_mean.sum() / _at_least_one(num_seqs)
-    elif loss_type == "dapo":
-        loss = per_tok.sum() / _at_least_one(num_tokens)
-    else:  # dr_grpo
-        loss = per_tok.sum() / _at_least_one(num_seqs * max_len)
+        return seq_mean.sum() / _at_least_one(num_seqs)
+    if loss_type == "dapo":
+        return per_tok.sum() / _at_least_one(num_tokens)
+    return per_tok.sum() / _at_least_one(num_seqs * max_len)  # dr_grpo
 
+
+def token_stats(ratio: Tensor, m: Tensor, clip_low: Tensor, clip_high: Tensor, k3: Tensor | None,
+                w_raw: Tensor | None = None, is_cap: float = float("inf")) -> LossStats:
+    """:class:`LossStats` of the tokens of the boolean mask ``m``: ``ratio`` (B, T) each token's
+    importance ratio, ``clip_low``/``clip_high`` (B, T) bool where a clip is active, ``k3`` (B, T) or
+    None, ``w_raw`` the engine-mismatch weight before its cap ``is_cap``, or None."""
     with torch.no_grad():
-        f64, dev = torch.float64, logp.device
+        f64, dev = torch.float64, ratio.device
         r = ratio.to(f64)  # (B, T)
         mf = m.to(f64)  # (B, T)
-        stats = LossStats(
+        return LossStats(
             tokens=mf.sum(),
             ratio_sum=(r * mf).sum(),
             ratio_sqsum=(r * r * mf).sum(),
-            # exactly where the min picks the clipped branch (whose slope in logp is 0)
-            clip_low_count=((ratio < 1.0 - clip_eps) & (a < 0) & m).sum().to(f64),
-            clip_high_count=((ratio > 1.0 + eps_high) & (a > 0) & m).sum().to(f64),
+            clip_low_count=(clip_low & m).sum().to(f64),
+            clip_high_count=(clip_high & m).sum().to(f64),
             kl_sum=(k3.to(f64) * mf).sum() if k3 is not None else torch.full((), float("nan"), dtype=f64, device=dev),
             ratio_min=_masked_extreme(r, m, largest=False),
             ratio_max=_masked_extreme(r, m, largest=True),
             **_weight_stats(w_raw, is_cap, m, mf),
         )
-    return loss, stats
+
+
+MISMATCH_FAR = math.log(2.0)
+"""A token is far from the engine when its trainer log-prob differs by more than this (a 2x probability)."""
+
+
+def mismatch_sums(logp: Tensor, engine_logp: Tensor, mask: Tensor, far: float = MISMATCH_FAR) -> Tensor:
+    """``(3,)`` float64 detached sums over the masked tokens: the k3 KL from the engine's sampling
+    distribution to the trainer's, the tokens whose log-probs differ by more than ``far``, and the
+    trainer's ``-logp`` (a one-sample estimate of the sampled tokens' entropy). The tokens were
+    sampled by the engine, so with ``d = logp - engine_logp`` the k3 term ``exp(d) - d - 1`` is an
+    unbiased, non-negative estimate of KL(engine || trainer). Off-mask values are never read.
+
+    >>> mismatch_sums(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.0, float("nan")]]), torch.tensor([[1, 0]]))
+    tensor([0., 0., 1.], dtype=torch.float64)
+    """
+    with torch.no_grad():
+        m = mask.bool()
+        t = torch.where(m, logp.detach().to(torch.float64), 0.0)  # (B, T)
+        d = torch.where(m, t - engine_logp.to(torch.float64), 0.0)  # (B, T)
+        k3 = torch.exp(d) - d - 1.0  # (B, T) 0 off the mask
+        return torch.stack([k3.sum(), (d.abs() > far).sum().to(torch.float64), -t.sum()])  # (3,)
 
 
 def _weight_stats(w_raw: Tensor | None, cap: float, m: Tensor, mf: Tensor) -> dict[str, Tensor]:

@@ -182,6 +182,13 @@ class MetricsRecord(TypedDict, total=False):
     """Its maximum, before the cap."""
     is_capped_frac: float | None
     """Share of tokens whose engine-mismatch weight was capped."""
+    mismatch_kl: float | None
+    """Mean k3 KL(engine || trainer) over the trained tokens: the engine's sampling log-probs against
+    the trainer's at the step (staleness included)."""
+    mismatch_far_frac: float | None
+    """Share of those tokens whose engine and trainer log-probs differ by more than log 2."""
+    sampled_nll: float | None
+    """Mean -logp of the trained tokens under the trainer (an estimate of the per-token entropy)."""
     grad_norm: float | None
     """Gradient norm before clipping."""
     tokens: int | None

@@ -42,7 +42,8 @@ single-process update on the whole batch for every ``loss_type``.
 
 Rows with advantage 0 (every row of a group without reward spread): their surrogate ``min(ratio * 0,
 clip(ratio) * 0)`` is 0 in value and gradient, so with ``kl_beta == 0`` they are skipped after the
-normalizers are counted (which keep them: the update is the one of the whole batch, exactly). The
+normalizers are counted (for any policy loss that declares the same, ``zero_adv_is_zero`` in
+:mod:`grpo_kit.algorithms`: every built-in does) (which keep them: the update is the one of the whole batch, exactly). The
 ratio, clip and weight stats then cover the trained tokens only (``tokens_trained``; ``tokens`` stays
 the batch's). With ``kl_beta > 0`` such a row still has the KL term's gradient, so every row is
 trained: skipping it would change the update (``SamplingConfig.dynamic_sampling`` drops those groups
@@ -62,8 +63,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from grpo_kit import algorithms
 from grpo_kit.config import LossConfig, OptimConfig
-from grpo_kit.loss import LossStats, Normalizer, grpo_loss
+from grpo_kit.loss import LossStats, Normalizer, mismatch_sums
 
 
 class Sample(NamedTuple):
@@ -317,6 +319,7 @@ def grpo_step(
     shard_sizes: Sequence[int] | None = None,
     max_len: int | None = None,
     temperature: float = 1.0,
+    policy_loss: algorithms.PolicyLoss | None = None,
 ) -> dict[str, float]:
     """One optimizer step on the FULL ``batch``, of which this rank processes its shard.
 
@@ -330,8 +333,16 @@ def grpo_step(
     all-reduced and identical on every rank: ``loss``, ``ratio_mean/std/min/max``,
     ``clip_low/high/frac``, ``kl`` (NaN when ``kl_beta == 0``), ``is_mean/min/max/capped_frac`` (the
     engine-mismatch weight with ``old_logp_source="trainer"``; None otherwise), ``grad_norm`` (before clipping),
+    ``mismatch_kl`` (k3 KL(engine || trainer) over the trained tokens, from the engine's sampling
+    log-probs and this step's forward: staleness included when the batch is off-policy),
+    ``mismatch_far_frac`` (the share of those tokens whose two log-probs differ by more than
+    :data:`~grpo_kit.loss.MISMATCH_FAR`), ``sampled_nll`` (their mean ``-logp`` under the trainer: an
+    estimate of the per-token entropy; all three None when no token was trained),
     ``tokens`` (the batch's scored completion tokens), ``tokens_trained`` (those of the rows trained: fewer
     when ``kl_beta == 0`` skips rows with advantage 0), ``samples``, ``samples_nonzero_adv``.
+    ``policy_loss``: the loss function (the contract in :mod:`grpo_kit.algorithms`); None takes the
+    one ``loss_cfg.policy_loss`` names. Rows with advantage 0 are skipped only for a loss that
+    declares them lossless (``zero_adv_is_zero``).
     """
     distributed = isinstance(model, DDP)
     module = model.module if distributed else model
@@ -369,7 +380,9 @@ def grpo_step(
         torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX, group=pg)
     n_samples, n_tokens, n_nonzero = (int(c) for c in counts.tolist())
     norm = Normalizer(num_seqs=n_samples, num_tokens=n_tokens, max_len=int(longest) if max_len is None else max_len)
-    if loss_cfg.kl_beta == 0 and not bool((shard.adv != 0).all()):
+    loss_fn = algorithms.policy_loss(loss_cfg.policy_loss) if policy_loss is None else policy_loss
+    skip = loss_cfg.kl_beta == 0 and algorithms.skips_zero_adv(loss_fn)
+    if skip and not bool((shard.adv != 0).all()):
         shard = shard[(shard.adv != 0).nonzero().squeeze(1)]  # no loss term without an advantage (module docstring)
 
     # (2) local micro-batches; gradients accumulate without communication
@@ -378,6 +391,7 @@ def grpo_step(
     trainer_old = loss_cfg.old_logp_source == "trainer"
     correct = trainer_old and loss_cfg.importance_sampling_correction
     stats = LossStats.empty(device, kl=loss_cfg.kl_beta > 0, is_weight=correct)
+    diag = torch.zeros(3, dtype=f64, device=device)  # engine/trainer k3, far tokens, -logp (loss.mismatch_sums)
     with model.no_sync() if distributed else contextlib.nullcontext():
         for i in range(0, len(shard), optim_cfg.micro_batch):
             mb = shard[i : i + optim_cfg.micro_batch].trim()
@@ -391,25 +405,21 @@ def grpo_step(
                                temperature=temperature)  # (b, t)
             # old_logp_source="trainer": the trainer's own log-probs before this (single) update are
             # this forward's, detached; the engine's then only feed the mismatch weight
-            loss, st = grpo_loss(
+            loss, st = loss_fn(
                 logp,
                 logp.detach() if trainer_old else mb.old_logp,
                 ref_logp,
                 mb.adv,
                 mb.completion_mask,
-                clip_eps=loss_cfg.clip_eps,
-                clip_eps_high=loss_cfg.clip_eps_high,
-                kl_beta=loss_cfg.kl_beta,
-                loss_type=loss_cfg.loss_type,
+                cfg=loss_cfg,
                 norm=norm,
                 sampling_logp=mb.old_logp if correct else None,
-                is_mode=loss_cfg.importance_sampling_mode,
-                is_cap=loss_cfg.importance_sampling_cap,
             )
             # DDP averages gradients over ranks; the global loss is the SUM of the local ones
             (loss * world_size).backward()
             loss_sum += loss.detach().to(f64)
             stats = stats + st
+            diag += mismatch_sums(logp, mb.old_logp, mb.completion_mask)  # old_logp: the engine's, always
 
     # (3) the one synchronizing backward, identical on every rank. The 1-token forward need not
     # reach every trainable parameter (an expert its router skips, any conditionally run module):
@@ -427,14 +437,19 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
 
     sums, maxes = stats.pack()
-    sums = torch.cat([sums, loss_sum.reshape(1)])  # (9,)
+    sums = torch.cat([sums, diag, loss_sum.reshape(1)])  # (12,): the same all-reduce carries the diagnostics
     if distributed:
         torch.distributed.all_reduce(sums, group=pg)
         torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=pg)
-    summary = LossStats.unpack(sums[:-1], maxes).summary()
+    summary = LossStats.unpack(sums[:-4], maxes).summary()
+    k3_sum, far_count, nll_sum = sums[-4:-1].tolist()
+    trained = summary["tokens"]
     return {
         "loss": float(sums[-1]),
         **summary,
+        "mismatch_kl": k3_sum / trained if trained else None,
+        "mismatch_far_frac": far_count / trained if trained else None,
+        "sampled_nll": nll_sum / trained if trained else None,
         "tokens": float(n_tokens),
         "tokens_trained": summary["tokens"],
         "grad_norm": grad_norm,

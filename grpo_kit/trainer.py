@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import algorithms
 from .adapters import AdapterStore, VersionExistsError
 from .config import Config, LoRAConfig, LossConfig, ModelConfig, OptimConfig
 from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
@@ -64,13 +65,36 @@ class RankSpec:
     temperature: float = 1.0
     """The sampling temperature: the step scores the tempered policy (and reference), whose
     log-probs the engines record."""
+    policy_loss_fn: bytes | None = None
+    """The policy loss, cloudpickled (:func:`grpo_kit.algorithms.pack`): the driver's resolution of
+    ``loss.policy_loss`` or the function given to ``loop.run``; None looks the name up on the rank."""
+    advantage_fn: bytes | None = None
+    """The advantage estimator, cloudpickled likewise; None looks ``loss.advantage`` up on the rank."""
+
+    def policy_loss_function(self) -> algorithms.PolicyLoss:
+        """The policy loss the ranks train with."""
+        if self.policy_loss_fn is not None:
+            return algorithms.unpack(self.policy_loss_fn)
+        return algorithms.policy_loss(self.loss.policy_loss)
+
+    def advantage_function(self) -> algorithms.Advantage:
+        """The advantage estimator the ranks take the advantages with."""
+        if self.advantage_fn is not None:
+            return algorithms.unpack(self.advantage_fn)
+        return algorithms.advantage(self.loss.advantage)
 
     @classmethod
     def for_run(cls, cfg: Config, run_id: str, model_path: str, store_root: str,
-                storage_options: dict | None, multi_turn: bool = False) -> RankSpec:
+                storage_options: dict | None, multi_turn: bool = False, policy_loss=None,
+                advantage=None) -> RankSpec:
         """Rank 0's spec for a run of ``cfg`` (the gang fills in rank, gang id and rendezvous).
-        ``multi_turn``: the task plays episodes, whose budget is ``cfg.episode.max_episode_tokens``."""
+        ``multi_turn``: the task plays episodes, whose budget is ``cfg.episode.max_episode_tokens``.
+        ``policy_loss``/``advantage``: functions that replace the ones ``cfg.loss`` names. Either
+        way the functions are resolved here, on the driver, and travel cloudpickled: a name
+        registered in a notebook cell, or a function defined there, reaches ranks that never ran it."""
         return cls(
+            policy_loss_fn=algorithms.pack(policy_loss or algorithms.policy_loss(cfg.loss.policy_loss)),
+            advantage_fn=algorithms.pack(advantage or algorithms.advantage(cfg.loss.advantage)),
             run_id=run_id, model_path=model_path, store_root=store_root, storage_options=storage_options,
             model=cfg.model, lora=cfg.lora, loss=cfg.loss, optim=cfg.optim, seed=cfg.run.seed, rank=0,
             world_size=cfg.cluster.world_size, gang_id=0, init_method=None,
@@ -298,6 +322,7 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
             world_size=spec.world_size,
             max_len=spec.max_len,
             temperature=spec.temperature,
+            policy_loss=spec.policy_loss_function(),
         )
     except BaseException:
         state.version = None  # the optimizer may have stepped: reload from the store on retry

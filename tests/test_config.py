@@ -34,6 +34,8 @@ def test_overrides_are_flat_and_validated():
         ({"lr": 0.0}, "lr must be > 0"),  # a run that cannot move
         ({"lr": -1e-4}, "lr must be > 0"),
         ({"loss_type": "ppo"}, "loss_type must be one of"),  # only TRL's three normalizers
+        ({"policy_loss": "ppo"}, r"policy_loss must be one of \['cispo', 'grpo', 'gspo'"),  # names the registry
+        ({"advantage": "gae"}, r"advantage must be one of \[.*'rloo'"),  # no critic, no GAE
         ({"engine": "sglang"}, "engine must be one of"),
         ({"temperature": 0.0}, "temperature must be > 0"),  # greedy is engine.greedy(), not a temperature
         ({"kl_beta": -0.1}, "kl_beta must be >= 0"),

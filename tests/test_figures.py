@@ -23,7 +23,7 @@ EXPECTED = {
         "base model",
     },
     "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL", "weight capped",
-              "weight min/max", "weight mean"},
+              "weight min/max", "weight mean", "mismatch KL", "mismatch far"},
     "staleness": {"staleness max", "staleness mean", "rejected groups"},
     "rewards": {"total (weighted)", "reward errors"},  # plus one trace per component the records name
     "timeline": {"generate", "train", "publish", "eval"},
@@ -125,6 +125,10 @@ def test_drift_shows_the_engine_mismatch_weight_apart_from_the_ratio():
     band = trace(fig, "weight min/max")
     assert max(band.y) == recs[-1]["is_max"] and min(band.y) == 0.5
     assert list(trace(fig, "ratio mean").y) == [r["ratio_mean"] for r in recs]  # the policy ratio, unchanged
+    # the engine/trainer mismatch beside the KL and the clip fractions
+    assert list(trace(fig, "mismatch KL").y) == [r["mismatch_kl"] for r in recs]
+    assert list(trace(fig, "mismatch far").y) == [r["mismatch_far_frac"] for r in recs]
+    assert trace(fig, "mismatch KL").yaxis == "y3" and trace(fig, "mismatch far").yaxis == "y2"
     # the default mode (ratio against the engine's log-probs) records no weight: those traces stay empty
     engine_mode = [{**r, "is_mean": None, "is_min": None, "is_max": None, "is_capped_frac": None} for r in recs]
     fig = figures.drift_figure(engine_mode)

@@ -535,3 +535,33 @@ def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
         assert rec["env_tokens"] == sum(e["env_tokens"] for e in mine)
         assert rec["end_max_turns"] + rec["end_budget"] == len(mine) and rec["end_answered"] == rec["end_error"] == 0
     assert res.summary["tool_rate_before"] is not None and 0 <= res.summary["tool_rate_after"] <= 1
+
+
+NOTEBOOK_CELL = '''
+import torch
+from grpo_kit.loss import aggregate, token_stats
+
+def sentinel_loss(logp, old_logp, ref_logp, adv, mask, *, cfg, norm=None, sampling_logp=None):
+    m = mask.bool()
+    per_tok = torch.where(m, -torch.where(m, logp, 0.0), 0.0)
+    no = torch.zeros_like(m)
+    return aggregate(per_tok, m, cfg.loss_type, norm), token_stats(torch.full_like(logp, 7.0), m, no, no, None)
+
+def zero_advantage(rewards, group_size, cfg):
+    return torch.zeros_like(rewards)
+'''
+
+
+def test_functions_from_a_notebook_cell_train_on_the_ranks(tmp_path, client):
+    """``loop.run(policy_loss=fn, advantage=fn)`` with functions defined in ``__main__`` (a notebook
+    cell; the trainer workers cannot import them): they run on both DDP ranks (the loss's sentinel
+    ratio 7 and the estimator's zero advantages reach the records), and config.json names them."""
+    cell = {"__name__": "__main__"}
+    exec(NOTEBOOK_CELL, cell)
+    cfg = _cfg(tmp_path, iterations=1, world_size=2, kl_beta=0.02)
+    res = loop.run(cfg, client=client, progress=False, policy_loss=cell["sentinel_loss"],
+                   advantage=cell["zero_advantage"])
+    assert [r["ratio_mean"] for r in res.records] == [7.0]
+    assert [r["samples_nonzero_adv"] for r in res.records] == [0]
+    saved = json.loads((res.run_dir / "config.json").read_text())["loss"]
+    assert (saved["policy_loss"], saved["advantage"]) == ("__main__:sentinel_loss", "__main__:zero_advantage")

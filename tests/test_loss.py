@@ -447,3 +447,25 @@ def test_sequence_weight_sums_over_model_tokens_only(is_mode):
     assert s["is_capped_frac"] == pytest.approx(2 / 5) and s["is_max"] == pytest.approx(w[1], rel=1e-12)
     g = torch.autograd.grad(loss, lp)[0]
     assert (g[~mask.bool()] == 0).all() and (g[mask.bool()] != 0).sum() == (5 if is_mode == "sequence_truncate" else 3)
+
+
+def test_mismatch_sums_match_a_naive_reference_and_estimate_kl_engine_to_trainer():
+    from grpo_kit.loss import MISMATCH_FAR, mismatch_sums
+
+    g = torch.Generator().manual_seed(0)
+    trainer = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)  # over a 6-token vocab
+    engine = torch.log_softmax(trainer + 0.8 * torch.randn(6, generator=g, dtype=torch.float64), 0)
+    # each vocab token as one sampled token; off the mask: garbage that must not be read
+    logp = torch.stack([trainer, torch.full((6,), float("nan"), dtype=torch.float64)])  # (2, 6)
+    eng = torch.stack([engine, torch.full((6,), float("inf"), dtype=torch.float64)])
+    mask = torch.tensor([[1] * 6, [0] * 6])
+    k3, far, nll = mismatch_sums(logp, eng, mask).tolist()
+    naive = [math.exp(t - e) - (t - e) - 1 for t, e in zip(trainer.tolist(), engine.tolist(), strict=True)]
+    assert k3 == pytest.approx(sum(naive), rel=1e-12)
+    assert far == sum(abs(t - e) > MISMATCH_FAR for t, e in zip(trainer.tolist(), engine.tolist(), strict=True)) > 0
+    assert nll == pytest.approx(-float(trainer.sum()), rel=1e-12)
+    # under the engine's sampling, E[k3] is KL(engine || trainer) exactly (the direction the samples allow)
+    kl = float((engine.exp() * (engine - trainer)).sum())
+    per_token = [mismatch_sums(trainer[i].reshape(1, 1), engine[i].reshape(1, 1), torch.ones(1, 1))[0] for i in range(6)]
+    assert float(sum(engine.exp()[i] * per_token[i] for i in range(6))) == pytest.approx(kl, rel=1e-12)
+    assert mismatch_sums(logp[:0], eng[:0], mask[:0]).tolist() == [0.0, 0.0, 0.0]

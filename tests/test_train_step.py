@@ -908,3 +908,35 @@ def test_ddp_requires_broadcast_buffers_false():
         grpo_step(
             fake, make_optimizer(model, OptimConfig()), make_batch(2, 0), LossConfig(), OptimConfig(), world_size=2
         )
+
+
+@pytest.mark.parametrize("kl_beta", [0.0, 0.05])
+def test_step_reports_the_engine_trainer_mismatch_of_the_trained_tokens(kl_beta):
+    """``mismatch_kl`` / ``mismatch_far_frac`` / ``sampled_nll`` of the step (micro-batched, rows
+    without advantage skipped when kl_beta == 0) are the whole batch's, from one forward, over the
+    tokens trained; the engine's log-probs are the batch's ``old_logp``."""
+    from grpo_kit.loss import mismatch_sums
+
+    batch = make_batch(7, seed=12, zero_adv=range(2, 4), group=3)
+    shift = torch.zeros_like(batch.old_logp)
+    shift[0] = 1.5  # row 0's engine log-probs far from the trainer's (a 4.5x probability)
+    batch = replace(batch, old_logp=torch.where(batch.completion_mask.bool(), batch.old_logp + shift, 0.0))
+    loss_cfg = LossConfig(kl_beta=kl_beta)
+    model = tiny_model()
+    with torch.no_grad():
+        logp = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+    rows = (batch.adv != 0) if kl_beta == 0 else torch.ones(len(batch), dtype=torch.bool)
+    k3, far, nll = mismatch_sums(logp[rows], batch.old_logp[rows], batch.completion_mask[rows]).tolist()
+    n = int(batch.completion_mask[rows].sum())
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, OptimConfig(micro_batch=2))
+    assert stats["tokens_trained"] == n < stats["tokens"] or kl_beta > 0
+    assert stats["mismatch_kl"] == pytest.approx(k3 / n, rel=1e-10) and stats["mismatch_kl"] > 0
+    assert stats["mismatch_far_frac"] == far / n and 0 < far < n
+    assert stats["sampled_nll"] == pytest.approx(nll / n, rel=1e-10)
+
+
+def test_step_without_trained_tokens_reports_no_mismatch():
+    batch = make_batch(4, seed=1, zero_adv=range(4))
+    model = tiny_model()
+    stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), OptimConfig())
+    assert stats["mismatch_kl"] is None and stats["mismatch_far_frac"] is None and stats["sampled_nll"] is None
