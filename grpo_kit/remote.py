@@ -169,11 +169,14 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
 
 def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: list[dict]) -> list:
     """Score finished episodes with the task's reward functions: ``completions`` are the final
-    answers, and the columns ``environments`` (the live instances), ``env_reward`` and ``episodes``
-    come beside the problems' (:mod:`grpo_kit.tasks.base`). Stamps ``rows`` like :func:`reward_task`."""
+    answers, ``completion_ids`` each episode's tokens after its first prompt (tool results
+    included; its ``mask`` marks the sampled ones), and the columns ``environments`` (the live
+    instances), ``env_reward`` and ``episodes`` come beside the problems' (:mod:`grpo_kit.tasks.base`).
+    Stamps ``rows`` like :func:`reward_task`."""
     extra = {"environments": [lv.env for lv in lives], "env_reward": [lv.ep.env_reward for lv in lives],
              "episodes": [r["episode"] for r in rows]}
-    scores = scorer.score_problems(problems, [r["text"] for r in rows], extra)
+    scores = scorer.score_problems(problems, [r["text"] for r in rows], extra,
+                                   completion_ids=[r["completion_ids"] for r in rows])
     stamp(rows, scores)
     return scores
 
@@ -262,14 +265,16 @@ def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
 
 
 def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: Scorer) -> dict:
-    """Score rollouts as soon as they complete, with the task's reward functions (``scorer``).
-    A reward function that fails scores 0 with its reason (``reward_errors`` counts it)."""
+    """Score rollouts as soon as they complete, with the task's reward functions (``scorer``; they
+    get each rollout's sampled ``completion_ids`` as TRL passes them). A reward function that fails
+    scores 0 with its reason (``reward_errors`` counts it)."""
     if result.get("scored"):  # a multi-turn chunk, scored where its environments lived (rollout_task)
         return result
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     rows = result["rollouts"]
-    stamp(rows, scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows]))
+    stamp(rows, scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows],
+                                      completion_ids=[r["completion_ids"] for r in rows]))
     result["reward_start"], result["reward_end"] = t0, time.time()
     result["reward_worker"] = get_worker().address
     return result
@@ -305,7 +310,7 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
                  "tool_errors": sum(sum(e.tool_errors.values()) for e in eps)}
     else:
         outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
-        results = scorer.score_problems(probs, [r.text for r in outs])
+        results = scorer.score_problems(probs, [r.text for r in outs], completion_ids=[r.completion_ids for r in outs])
     correct = [res.correct for res in results]
     return {**extra,
         "version": version,

