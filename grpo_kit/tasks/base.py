@@ -22,7 +22,7 @@ parsed value, a reason and its own correctness rule. ``None`` means "does not ap
 Multi-turn tasks: a task with ``tools`` (plain functions, TRL's ``tools=``) or an
 ``environment_factory`` (a class, TRL's ``environment_factory=``) trains on episodes
 (:mod:`grpo_kit.episode`, limits in ``Config.episode``). Their reward functions run on the rollout
-worker right after the episodes end, with the same signature: ``completions`` are the final
+worker right after the episodes end, called the same way: ``completions`` are the final
 assistant messages' texts, and three more columns come beside the problem's: ``environments`` (each
 episode's live environment instance, as TRL passes them; None without a factory), ``env_reward``
 (each environment's ``get_reward()``, None where it has none or it raised) and ``episodes`` (each
