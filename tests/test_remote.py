@@ -72,3 +72,21 @@ def test_reward_task_passes_each_rollouts_completion_ids_to_the_rewards(monkeypa
     assert seen == [ids]
     assert [r["reward"] for r in out["rollouts"]] == [3.0, 1.0, 2.0]
     assert out["reward_worker"] == "in-process"
+
+
+def test_score_episodes_passes_each_episodes_completion_ids_beside_the_environments():
+    from grpo_kit.data import Problem
+    from grpo_kit.tasks import Scorer
+
+    seen = {}
+
+    def r(completions, completion_ids, environments, env_reward, **kwargs):
+        seen.update(ids=completion_ids, envs=environments, env_reward=env_reward)
+        return [float(len(ids)) for ids in completion_ids]
+
+    lives = [SimpleNamespace(env=f"env{i}", ep=SimpleNamespace(env_reward=0.5 * i)) for i in range(2)]
+    rows = [{"text": "a", "completion_ids": [1, 2, 3, 4], "episode": {}}, {"text": "b", "completion_ids": [5], "episode": {}}]
+    probs = [Problem(id="p", question="q", gold="1")] * 2
+    scores = remote.score_episodes(Scorer([r], [1.0], ["n"]), probs, lives, rows)
+    assert seen == {"ids": [[1, 2, 3, 4], [5]], "envs": ["env0", "env1"], "env_reward": [0.0, 0.5]}
+    assert [s.reward for s in scores] == [4.0, 1.0] == [row["reward"] for row in rows]
