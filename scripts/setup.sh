@@ -26,9 +26,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip)
-# --no-compile: pip byte-compiles every .py it installs (~31,000 files here: about 2.5 min of one core
-# on the 2-core CI machine), though a test run imports about a fifth of them; Python compiles and
-# caches those on first import.
+# --no-compile: pip byte-compiles every .py it installs on one core (~31,000 files here: about 2.5 min
+# on the 2-core CI machine); compileall below does the same on every core once everything is in.
 INSTALL=("${PIP[@]}" install -q --no-compile)
 "${INSTALL[@]}" --upgrade pip
 
@@ -66,6 +65,13 @@ if ! command -v chromium >/dev/null 2>&1; then
     echo "setup: NOTE: chromium not found; install it (e.g. 'sudo apt-get install chromium') for the report's browser test"
   fi
 fi
+
+# Byte-compile the venv. Python would compile on import and cache the result, but not where
+# PYTHONDONTWRITEBYTECODE=1 is set (this project's machines and CI set it): there every process (each
+# Dask worker, kernel and engine) compiled torch, vLLM and transformers from source again, and a
+# fresh clone's pytest took 58 min instead of 47 (tests/test_tiny.py's vLLM test: 101 s, 52 s compiled).
+echo "setup: byte-compiling the venv"
+"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
 
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
 echo "$want" > "$stamp"
