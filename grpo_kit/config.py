@@ -494,7 +494,8 @@ class Config:
         return out
 
     def override(self, **kw: Any) -> Config:
-        """A copy with flat field overrides applied; unknown names raise."""
+        """A copy with flat field overrides applied (TRL's names of ``trl_config.RENAMES`` too: ``beta=``
+        is ``kl_beta=``); unknown names raise."""
         unknown = set(kw) - set(flat_field_names()) - {"profile"}
         if unknown:  # TRL's names for the same settings (beta=, num_generations=, learning_rate=, ...)
             from grpo_kit.trl_config import kit_names
