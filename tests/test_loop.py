@@ -103,31 +103,6 @@ def _watch_driver(client, monkeypatch) -> list:
     return seen
 
 
-def _noisy_reward(prompts, completions, **kw):
-    """A reward that prints on the worker that scores (test_loop is importable there: the workers
-    get this process's sys.path)."""
-    print("NOISE from a worker's reward", flush=True)
-    return [0.0] * len(completions)
-
-
-def test_a_run_without_a_client_sends_worker_output_to_its_logs(tmp_path, capfd):
-    """``loop.run`` with no client starts its LocalCluster (its workers inherit this process's
-    stdout, captured here) and sends the workers' output to ``<run_dir>/logs``. First in the module:
-    the module's shared cluster is not started yet."""
-    from grpo_kit import logs
-
-    rows = [{"question": f"{i} + {i} =", "gold": str(2 * i)} for i in range(8)]
-    task = tasks.from_rows(rows, _noisy_reward, heldout=rows[:2])
-    cfg = _cfg(tmp_path, iterations=1, eval_every=1, eval_size=2, prompts_per_step=2, group_size=2, max_new_tokens=4)
-    loop.run(cfg, progress=False, task=task)
-    seen = capfd.readouterr()
-    directory = logs.run_log_dir(cfg.run.run_dir)
-    rollout = (directory / "rollout-0.log").read_text()
-    assert "worker rollout-0" in rollout and "NOISE from a worker's reward" in rollout  # scored there
-    assert (directory / "trainer-0.log").exists()
-    assert "NOISE" not in seen.out + seen.err, seen
-
-
 def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     # no pre-flight sweep here: its message sizes are a list of numbers the driver rightly sends
     cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="")
