@@ -494,8 +494,14 @@ class Config:
         return out
 
     def override(self, **kw: Any) -> Config:
-        """A copy with flat field overrides applied; unknown names raise."""
+        """A copy with flat field overrides applied (TRL's names of ``trl_config.RENAMES`` too: ``beta=``
+        is ``kl_beta=``); unknown names raise."""
         unknown = set(kw) - set(flat_field_names()) - {"profile"}
+        if unknown:  # TRL's names for the same settings (beta=, num_generations=, learning_rate=, ...)
+            from grpo_kit.trl_config import kit_names
+
+            kw = kit_names(kw)
+            unknown = set(kw) - set(flat_field_names()) - {"profile"}
         if unknown:
             raise ValueError(f"unknown config field(s): {sorted(unknown)}; known: {sorted(flat_field_names())}")
         updates = {}
@@ -593,6 +599,15 @@ def from_params(name: str, params: Mapping[str, Any], *, none_keeps: bool = Fals
     """:func:`profile` ``name`` with the config fields among ``params`` applied (see :func:`overrides_in`):
     a notebook's derived-values cell is ``cfg = config.from_params(profile, globals())``."""
     return profile(name, **overrides_in(params, none_keeps=none_keeps))
+
+
+def from_trl(trl_config: Any, profile: str = "tiny", *, peft_config: Any = None, **overrides: Any) -> Config:
+    """:func:`profile` ``profile`` with a ``trl.GRPOConfig``'s settings (and a ``peft.LoraConfig``'s)
+    carried over, then ``overrides``; one ``ValueError`` lists every setting the kit cannot honour
+    (see :mod:`grpo_kit.trl_config`)."""
+    from grpo_kit import trl_config as trl
+
+    return trl.from_trl(trl_config, profile, peft_config=peft_config, **overrides)
 
 
 def profile(name: str = "tiny", **overrides: Any) -> Config:

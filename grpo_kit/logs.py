@@ -9,6 +9,8 @@ plugin (:func:`route_worker_logs`), points each worker's file descriptors 1 and 
 in that file; log records at ERROR and above, from any logger, are also written to the stream the
 worker inherited, so they still show in the cell. Exceptions of tasks reach the notebook through
 Dask as before. A worker that its nanny restarts gets the plugin again and appends to its file.
+``loop.run`` does this for every run, into :func:`run_log_dir` (``worker_logs=False`` opts out); a
+later run on the same client moves the workers' output to its own directory.
 
 :func:`reload_misses` filters the two warnings that vLLM's weight reload (the vLLM engine's merged
 LoRA mode, once per training step) logs for layers that hold no checkpoint weights by design, and
@@ -30,6 +32,17 @@ from distributed import Client, WorkerPlugin
 
 PLUGIN = "grpo-kit-logs"
 ECHO_FORMAT = "%(levelname)s %(name)s: %(message)s"
+RUN_LOGS = "logs"
+"""The folder of a run directory that ``loop.run`` sends the workers' output to."""
+
+
+def run_log_dir(run_dir: str | os.PathLike) -> Path:
+    """Where ``loop.run`` sends the workers' output for a run in ``run_dir``: ``<run_dir>/logs``.
+
+    >>> run_log_dir("runs/tiny").as_posix()
+    'runs/tiny/logs'
+    """
+    return Path(run_dir) / RUN_LOGS
 
 
 def route_worker_logs(client: Client, directory: str | os.PathLike, *, quiet: bool = False) -> Path:

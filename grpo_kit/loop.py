@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import algorithms, checkpoint, preflight, remote, tasks
+from . import algorithms, checkpoint, logs, preflight, remote, tasks
 from . import cluster as cl
 from .adapters import AdapterStore
 from .config import Config
@@ -95,6 +95,7 @@ def run(
     task: Task | None = None,
     policy_loss: Callable | None = None,
     advantage: Callable | None = None,
+    worker_logs: bool = True,
 ) -> RunResult:
     """Run ``cfg.run.iterations`` GRPO iterations on a Dask cluster; returns records and summary.
 
@@ -107,6 +108,12 @@ def run(
     ``policy_loss``/``advantage``: a function (e.g. from a notebook cell) that replaces the policy loss
     or advantage estimator ``cfg`` names, with the contract of :mod:`grpo_kit.algorithms`; it travels
     to the trainer ranks by cloudpickle and ``config.json`` records it as ``module:qualname``.
+    ``worker_logs``: send the output of every worker of a cluster this process started (a LocalCluster,
+    the run's own or the client's; a Slurm cluster object), now and later ones, to
+    ``<run_dir>/logs/<worker>.log`` (:func:`grpo_kit.logs.route_worker_logs`; errors still show here).
+    False leaves it where it goes (a LocalCluster's workers print under the running cell). Workers of
+    a scheduler the client joined by address keep their output where they were started (call
+    ``route_worker_logs`` for them on a shared file system).
     One run at a time per cluster: a run registers its engines on every rollout worker.
     """
     from tqdm.auto import tqdm
@@ -131,6 +138,8 @@ def run(
             threads_per_worker=cfg.cluster.threads_per_worker,
             quiet=not progress,
         )
+    if worker_logs and client.cluster is not None:  # before the engines: their start-up output goes there too
+        logs.route_worker_logs(client, logs.run_log_dir(run_dir), quiet=not progress)
     files = run_files(run_dir)
     metrics_path, samples_path = files.metrics, files.samples
     run_id = checkpoint.run_id_for(cfg, store.root, task)

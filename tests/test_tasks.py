@@ -290,13 +290,16 @@ def test_from_rows_rejects_empty_questions():
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_a_notebook_defined_task_and_reward_train_through_the_dask_loop(tmp_path):
+def test_a_notebook_defined_task_and_reward_train_through_the_dask_loop(tmp_path, capfd):
     """Rows and reward functions defined here (as in a notebook cell) reach the workers by
-    cloudpickle; a reward that raises is scored 0 and counted; scoring runs on the reward worker."""
+    cloudpickle; a reward that raises is scored 0 and counted; scoring runs on the reward worker.
+    The run starts its own LocalCluster, whose workers inherit this process's (captured) stdout:
+    what they print goes to ``<run_dir>/logs`` instead."""
     digits = [{"q": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(100, 160) for b in range(200, 203)]
     calls_seen = []
 
     def mentions_answer(prompts, completions, answer, **kw):  # closes over nothing the workers lack
+        print("NOISE from a reward on a worker", flush=True)
         return [1.0 if a in c else 0.0 for c, a in zip(completions, answer, strict=True)]
 
     task = tasks.from_rows(digits, [mentions_answer, _raises], question="q", gold="answer", name="mentions",
@@ -304,6 +307,11 @@ def test_a_notebook_defined_task_and_reward_train_through_the_dask_loop(tmp_path
     cfg = config.profile("tiny", engine="hf", iterations=2, eval_every=2, eval_size=8, prompts_per_step=4, group_size=4,
                          max_new_tokens=40, run_dir=str(tmp_path / "run"), collective_timeout_s=60, n_reward_workers=1)
     res = loop.run(cfg, task=task, progress=False, callbacks=[calls_seen.append])
+    seen = capfd.readouterr()
+    assert "NOISE" not in seen.out + seen.err, seen  # the workers' output went to their log files
+    worker_logs = tmp_path / "run" / "logs"
+    assert "NOISE from a reward on a worker" in (worker_logs / "reward-0.log").read_text()
+    assert {p.name for p in worker_logs.iterdir()} == {"rollout-0.log", "trainer-0.log", "reward-0.log"}
     assert [r["iteration"] for r in res.records] == [0, 1] and len(calls_seen) == 2
     n = cfg.sampling.prompts_per_step * cfg.sampling.group_size
     for r in res.records:
