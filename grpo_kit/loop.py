@@ -48,7 +48,7 @@ from .retention import Pruner
 from .rollout import RolloutSummary
 from .sampling import Group, extra_prompts, groups_of, select_groups, summaries_of
 from .tasks import Task
-from .trackers import RunInfo, TrackerSet
+from .trackers import TrackerSet
 from .trainer import RankSpec
 
 
@@ -142,7 +142,7 @@ def run(
     try:
         state, records = checkpoint.restore(store, run_id, files, resume)
         files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
-        tracking.start(RunInfo.for_run(run_dir, cfg.flat(), resumed=resume))
+        tracking.start_run(run_dir, cfg.flat(), resumed=resume)
 
         t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
         if progress:

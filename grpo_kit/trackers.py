@@ -263,6 +263,12 @@ class TrackerSet:
     def start(self, run: RunInfo) -> None:
         self.call("on_start", run)
 
+    def start_run(self, run_dir: str | os.PathLike, params: Mapping[str, Any], resumed: bool = False) -> None:
+        """:meth:`start` with the run's :class:`RunInfo` (none is made, nor ``trackers.json`` written,
+        without a tracker)."""
+        if self.active:
+            self.start(RunInfo.for_run(run_dir, params, resumed))
+
     def add_samples(self, samples: Iterable[Mapping[str, Any]]) -> None:
         """Completions for the next table (the driver's ``samples.jsonl`` entries)."""
         if self.active:
@@ -433,7 +439,9 @@ class WandbTracker(Tracker):
         except Exception as e:  # noqa: BLE001 - no network, a refused key: log offline instead
             if mode == "offline":
                 raise
-            _warn("wandb", f"could not start {mode}, logging offline", e)
+            warnings.warn(f"report_to: wandb could not start {mode} ({type(e).__name__}: {str(e)[:200]}); "
+                          f"logging offline to {run.run_dir / 'wandb'} instead", RuntimeWarning, stacklevel=2)
+            wandb.teardown()  # the failed start still holds the run's id
             self.run = wandb.init(mode="offline", **kw)
 
     def on_log(self, scalars: dict[str, float], step: int) -> None:
