@@ -1,7 +1,7 @@
 """Experiment trackers: what a run records, sent to trackio, TensorBoard, MLflow or Weights & Biases
 (``report_to=``, TRL's name), or to a tracker of your own.
 
-A tracker is a class with up to four hooks (:class:`Tracker`; each is optional). The driver calls
+A tracker is an object with up to four hooks (:class:`Tracker` has them all, doing nothing). The driver calls
 them through a :class:`TrackerSet`, which turns each record into scalars, gathers the sampled
 completions into tables and keeps a failing tracker from failing the run: the first exception a
 tracker raises (its package missing, a key refused, the network down) is one warning, and the run
@@ -252,10 +252,13 @@ class TrackerSet:
         return bool(self.active)
 
     def call(self, hook: str, *args) -> None:
-        """``hook(*args)`` on every active tracker; one that raises is warned about and dropped."""
+        """``hook(*args)`` on every active tracker that has it; one that raises is warned about and dropped."""
         for name, tracker in list(self.active.items()):
+            fn = getattr(tracker, hook, None)
+            if fn is None:  # a hook a tracker leaves out (it need not subclass Tracker)
+                continue
             try:
-                getattr(tracker, hook)(*args)
+                fn(*args)
             except Exception as e:  # noqa: BLE001 - a tracker never fails the run
                 _warn(name, f"failed in {hook}", e)
                 del self.active[name]

@@ -301,15 +301,27 @@ def test_tables_are_bounded_and_sent_at_evaluations_and_the_end(tmp_path):
     assert logs[0][1]["reward_components/fmt"] == 0.5 and "kl_mean" not in logs[0][1]
 
 
+class OnlyLogs:
+    """A tracker that is not a Tracker subclass and has one hook."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_log(self, scalars, step):
+        self.steps.append(step)
+
+
 def test_a_failing_tracker_warns_once_and_the_others_go_on(tmp_path):
-    rec = Recorder()
-    ts = TrackerSet({"broken": Broken(), "r": rec})
+    rec, plain = Recorder(), OnlyLogs()
+    ts = TrackerSet({"broken": Broken(), "r": rec, "plain": plain})
     ts.start(RunInfo.for_run(tmp_path, {}))
     with pytest.warns(RuntimeWarning, match="'broken' failed in on_log") as caught:
         for it in range(3):
             ts.on_record(_record(it))
     assert len([w for w in caught if "broken" in str(w.message)]) == 1
-    assert list(ts.active) == ["r"] and [c[2] for c in rec.calls if c[0] == "log"] == [0, 1, 2]
+    ts.end(None)
+    assert list(ts.active) == ["r", "plain"] and [c[2] for c in rec.calls if c[0] == "log"] == [0, 1, 2]
+    assert plain.steps == [0, 1, 2]
 
 
 def test_a_missing_library_warns_once_and_the_run_goes_on(tmp_path, tracker_env, monkeypatch):
