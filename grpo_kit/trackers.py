@@ -365,8 +365,8 @@ _MLFLOW_KEY = re.compile(r"[^0-9A-Za-z_\-. /]")
 
 
 class MLflowTracker(Tracker):
-    """An MLflow run: metrics, params, ``completions.json`` (``mlflow.log_table``) and ``report.html``
-    as artifacts. The tracking URI is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else a file
+    """An MLflow run: metrics, params, the completions tables (``mlflow.log_table``: one file each in
+    ``completions/``) and ``report.html`` as artifacts. The tracking URI is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else a file
     store at ``<run_dir>/mlruns`` (MLflow keeps that backend in maintenance mode and asks for
     ``MLFLOW_ALLOW_FILE_STORE=true``, set here unless already set)."""
 
@@ -402,9 +402,12 @@ class MLflowTracker(Tracker):
 
     def on_table(self, rows: list[dict], step: int) -> None:
         data = {c: [r[c] for r in rows] for c in TABLE_COLUMNS}
+        # a file per table: log_table appends to an existing one by reading it back through pandas,
+        # which reads the whole table each time and turns a string such as a gold "1718" into a number
+        self.tables = getattr(self, "tables", 0) + 1
         with warnings.catch_warnings():  # pandas' deprecation notes from inside mlflow
             warnings.simplefilter("ignore")
-            self.client.log_table(self.run_id, data, "completions.json")  # appends to the run's table
+            self.client.log_table(self.run_id, data, f"completions/{self.tables:04d}-iteration-{step}.json")
 
     def on_end(self, report: Path | None) -> None:
         if report is not None:

@@ -81,8 +81,8 @@ def tracked_run(tracker_env, tmp_path_factory, client):
     trackers.register_tracker("broken", Broken)
     trackers.register_tracker("missing", NeedsMissingPackage)
     run_dir = tmp_path_factory.mktemp("tracked") / "run"
-    cfg = config.profile("tiny", engine="hf", iterations=2, eval_every=2, eval_size=4, prompts_per_step=2, group_size=2,
-                         max_new_tokens=16, world_size=1, run_dir=str(run_dir), collective_timeout_s=30, lr=1e-3,
+    cfg = config.profile("tiny", engine="hf", iterations=2, eval_every=2, eval_size=2, prompts_per_step=2, group_size=2,
+                         max_new_tokens=8, world_size=1, run_dir=str(run_dir), collective_timeout_s=30, lr=1e-3,
                          report_to=",".join(BUILT_IN) + ",recorder,broken,missing")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -162,9 +162,10 @@ def test_mlflow_reads_back(tracked_run):
     for key in ("reward_mean", "loss"):
         got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
         assert got == pytest.approx(_logged_steps(res, key)), key
-    table = json.loads(Path(client.download_artifacts(run.info.run_id, "completions.json")).read_text())
-    rows = [dict(zip(table["columns"], row, strict=True)) for row in table["data"]]
-    assert rows == trackers.table_rows(_samples(cfg.run.run_dir))
+    files = [a.path for a in client.list_artifacts(run.info.run_id, "completions")]
+    tables = [json.loads(Path(client.download_artifacts(run.info.run_id, f)).read_text()) for f in sorted(files)]
+    rows = [dict(zip(t["columns"], row, strict=True)) for t in tables for row in t["data"]]
+    assert rows == trackers.table_rows(_samples(cfg.run.run_dir))  # the gold answers stay strings
     report = Path(client.download_artifacts(run.info.run_id, "report.html"))
     assert report.read_bytes() == records.run_files(cfg.run.run_dir).report.read_bytes()
 
@@ -367,6 +368,8 @@ def test_records_fed_to_the_real_trackers_read_back(tmp_path, tracker_env):
     (run,) = client.search_runs([client.get_experiment_by_name(trackers.PROJECT).experiment_id])
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")} == pytest.approx({0: 1.0, 1: 0.9})
     assert run.data.params["stop"] == '["\\n"]' and run.data.params["store_url"] == "null"
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["completions.json", "report.html"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["completions", "report.html"]
+    (table,) = client.list_artifacts(run.info.run_id, "completions")
+    assert table.path == "completions/0001-iteration-1.json"
     logs = SQLiteStorage.get_logs(trackers.PROJECT, run=f"{info.name}-{info.id}")
     assert {int(x["step"]): x["loss"] for x in logs if "loss" in x} == pytest.approx({0: 1.0, 1: 0.9})
