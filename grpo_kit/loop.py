@@ -142,12 +142,12 @@ def run(
     try:
         state, records = checkpoint.restore(store, run_id, files, resume)
         files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
-        tracking.start_run(run_dir, cfg.flat(), resumed=resume)
 
         t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
         if progress:
             print("warming up: building rollout engines and trainer policies ...", flush=True)
         remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
+        tracking.start_run(run_dir, cfg.flat(), resumed=resume)  # its imports overlap the engines' build
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options, multi_turn=task.multi_turn,
                                 policy_loss=policy_loss, advantage=advantage)

@@ -234,7 +234,7 @@ class TrackerSet:
         self.active: dict[str, Tracker] = dict(trackers or {})
         self.rows: list[dict] = []
         self.step = -1
-        self.ended = False
+        self.started = self.ended = False
 
     @classmethod
     def for_names(cls, names: Iterable[str]) -> TrackerSet:
@@ -264,6 +264,7 @@ class TrackerSet:
                 del self.active[name]
 
     def start(self, run: RunInfo) -> None:
+        self.started = True
         self.call("on_start", run)
 
     def start_run(self, run_dir: str | os.PathLike, params: Mapping[str, Any], resumed: bool = False) -> None:
@@ -300,8 +301,8 @@ class TrackerSet:
             self.call("on_table", rows, max(self.step, max(int(r["iteration"]) for r in rows)))
 
     def end(self, report: Path | None = None) -> None:
-        """The last table and ``on_end`` (once; a second call does nothing)."""
-        if self.ended:
+        """The last table and ``on_end`` (once; a second call, or one before :meth:`start`, does nothing)."""
+        if self.ended or not self.started:
             return
         self.ended = True
         self.flush_table()
@@ -310,7 +311,7 @@ class TrackerSet:
     def finish_run(self, run_dir: str | os.PathLike) -> Path | None:
         """The end of a run that completed: its HTML report is written and handed to the trackers."""
         report = None
-        if self.active and not self.ended:
+        if self.active and self.started and not self.ended:
             from .report import write_report
 
             try:
