@@ -50,7 +50,8 @@ echo "setup: installing grpo-kit[$ENGINE,$EXTRAS] (editable)"
 "${INSTALL[@]}" --no-deps "trl==1.16.0"
 
 # The experiment trackers (report_to=, grpo_kit/trackers.py) and their tests. About 8 s of installing on the
-# 2-core machine, each line about 2 s (measured with pip's cache empty), and some 2,300 files for compileall.
+# 2-core machine, each line about 2 s (measured with pip's cache empty), and some 2,300 files more for
+# compileall below (about 12 CPU-seconds, some 6 s on two cores).
 # tensorboard brings tensorboard-data-server, absl-py and Markdown; wandb needs nothing the kit lacks.
 "${INSTALL[@]}" "tensorboard==2.21.0" "wandb==0.30.0"
 # mlflow-skinny (no server or UI: `pip install mlflow` where you view runs) without its dependencies: its
