@@ -62,7 +62,7 @@ def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
     d = {**cfg.to_dict(), "task": task.describe()}
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
                                                          "price_per_hour", "keep_versions", "keep_every",
-                                                         "rollouts_every")}
+                                                         "rollouts_every", "report_to")}
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

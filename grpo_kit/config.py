@@ -21,13 +21,28 @@ ENGINES = ("vllm", "hf")
 LORA_MODES = ("auto", "request", "merged")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
-TUPLE_FIELDS = ("lora_targets", "stop", "reward_functions", "reward_weights")
+TUPLE_FIELDS = ("lora_targets", "stop", "reward_functions", "reward_weights", "report_to")
 STALENESS_POLICIES = ("pace", "discard")
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+def report_names(report_to) -> tuple[str, ...]:
+    """``report_to`` as a tuple of tracker names: a list or a comma-separated string, ``"none"`` and
+    empty entries dropped (TRL's spellings).
+
+    >>> report_names("tensorboard, mlflow"), report_names(["wandb"]), report_names("none"), report_names(None)
+    (('tensorboard', 'mlflow'), ('wandb',), (), ())
+    """
+    if report_to is None:
+        return ()
+    items = [report_to] if isinstance(report_to, str) else list(report_to)
+    _check(all(isinstance(x, str) for x in items), f"report_to must be tracker names, got {report_to!r}")
+    names = [n.strip() for x in items for n in x.split(",")]
+    return tuple(dict.fromkeys(n for n in names if n and n.lower() != "none"))
 
 
 @dataclass(frozen=True)
@@ -412,8 +427,16 @@ class RunConfig:
     were used up; after that each further lost worker is one resubmission) before the run fails. The
     tasks are seeded, so a resubmitted one reproduces its chunk: a preempted rollout worker costs a
     batch, not the run. Counted in each record's ``task_resubmits``."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers the run logs to (TRL's name): any of ``"trackio"``, ``"tensorboard"``,
+    ``"mlflow"``, ``"wandb"`` or a name given to :func:`grpo_kit.trackers.register_tracker`, as a list
+    or a comma-separated string; ``"all"`` is every registered tracker, ``"none"`` or empty none. Each
+    gets every record's scalars (the iteration as step), the config as parameters, a table of sampled
+    completions and the HTML report; all offline by default (files under ``run_dir``; trackio's local
+    store). A tracker whose package, key or network is missing warns once and the run goes on."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "report_to", report_names(self.report_to))
         _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         _check(self.pipeline_depth is None or self.pipeline_depth >= 0,

@@ -48,6 +48,7 @@ from .retention import Pruner
 from .rollout import RolloutSummary
 from .sampling import Group, extra_prompts, groups_of, select_groups, summaries_of
 from .tasks import Task
+from .trackers import TrackerSet
 from .trainer import RankSpec
 
 
@@ -102,7 +103,8 @@ def run(
     ``client``: an existing ``distributed.Client`` (None connects to ``cfg.cluster.scheduler_address``
     or starts a LocalCluster sized by ``cfg.cluster``, and closes it at the end). ``store``: the
     adapter store (default ``AdapterStore(cfg.run.store_root, storage_options)``); trainers and
-    engines open the same root with the same options. ``callbacks`` are called with every record.
+    engines open the same root with the same options. ``callbacks`` are called with every record;
+    ``cfg.run.report_to`` names the experiment trackers (:mod:`grpo_kit.trackers`) it also goes to.
     ``task``: a :class:`~grpo_kit.tasks.Task` (e.g. rows and reward functions from a notebook cell);
     None uses the one ``cfg.data.task`` names.
     ``policy_loss``/``advantage``: a function (e.g. from a notebook cell) that replaces the policy loss
@@ -126,6 +128,7 @@ def run(
     storage_options = store.storage_options
     model_path = resolve_model(cfg.model.model, progress=progress)  # before any cluster: a bad name fails at once
     task = tasks.for_config(cfg, task)  # so do a bad task, dataset or column
+    tracking = TrackerSet.for_names(cfg.run.report_to)  # and an unknown tracker name
     train_pool = task.load("train", cfg.data.train_size, cfg.run.seed)
     heldout = task.load("heldout", cfg.data.eval_size, 0)
     own_client = client is None
@@ -153,6 +156,7 @@ def run(
         if progress:
             print("warming up: building rollout engines and trainer policies ...", flush=True)
         remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
+        tracking.start_run(run_dir, cfg.flat(), resumed=resume)  # its imports overlap the engines' build
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options, multi_turn=task.multi_turn,
                                 policy_loss=policy_loss, advantage=advantage)
@@ -170,6 +174,7 @@ def run(
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
                          list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s), EpisodePlan.of(task, cfg))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
+        driver.trackers = tracking
         if resume:  # versions a crash (or a run with another policy) left behind
             driver.pruner.sweep(state["version"], driver.busy_versions())
         # engines and policies are built before the first iteration's clock starts
@@ -177,8 +182,10 @@ def run(
         driver.startup_s = time.time() - t_warm
         driver.loop(tqdm(total=cfg.run.iterations, initial=state["next_iteration"], desc="GRPO", disable=not progress))
         summary = driver.finish(preflight=fabric.summary() if fabric else None)
+        tracking.finish_run(run_dir)  # the HTML report, as the trackers' artifact
         return RunResult(run_dir, driver.records, summary)
     finally:
+        tracking.end()  # a failed run's trackers are closed too (no report)
         if gang is not None:
             gang.close()
         if own_client:
@@ -186,6 +193,8 @@ def run(
 
 
 class _Driver:
+    trackers = TrackerSet()  # the run's experiment trackers (``run`` sets them; none here)
+
     def __init__(self, cfg, client, store, gang, train_pool, heldout, state, metrics_path, samples_path, callbacks, records,
                  scorer, episodes=None):
         self.cfg, self.client, self.store, self.gang = cfg, client, store, gang
@@ -495,6 +504,7 @@ class _Driver:
         self.prune()
         for cb in self.callbacks:
             cb(rec)
+        self.trackers.on_record(rec)
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", acc=_fmt(self.last_eval()), v=rec["version"])
 
@@ -523,7 +533,9 @@ class _Driver:
         every = self.cfg.run.rollouts_every
         if every and it % every == 0:
             append_jsonl(self.samples_path.with_name("rollouts.jsonl"), (r.to_dict() for r in rollouts))
-        append_jsonl(self.samples_path, samples_of(it, rollouts))
+        samples = samples_of(it, rollouts)
+        append_jsonl(self.samples_path, samples)
+        self.trackers.add_samples(samples)
 
     def finish(self, preflight: dict | None = None) -> dict:
         """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""
@@ -542,6 +554,7 @@ class _Driver:
                 self._attach_eval(last, res)
             last["base_acc"] = self.state["base_acc"]
             write_jsonl(self.metrics_path, self.records)
+            self.trackers.on_eval(final, last["iteration"])
         checkpoint.save_state(self.store, self.state)
         summary = run_summary(self.state, self.records, self.gang.restarts, self.startup_s, self.warm_up_s, preflight)
         run_files(self.cfg.run.run_dir).summary.write_text(json.dumps(summary, indent=1))

