@@ -386,6 +386,12 @@ class RunConfig:
     batch starts ``pipeline_depth`` versions behind and is regenerated: use ``"pace"`` there."""
     eval_every: int = 4
     """Evaluate held-out accuracy every k iterations (and at the end); 0 disables."""
+    eval_samples: int = 0
+    """Sampled completions per held-out problem at each evaluation, besides the greedy one: with k >= 1
+    the evaluation also gives pass@1..k (Chen et al.'s unbiased estimator), avg@k and maj@k
+    (:mod:`grpo_kit.passk`); 0 evaluates greedily only. A multi-turn task samples k episodes."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of those ``eval_samples`` completions (the greedy one is argmax)."""
     seed: int = 0
     """Seed for prompt order, sampling and LoRA init; per-(iteration, group) seeds derive from it."""
     run_dir: str = "runs/default"
@@ -421,6 +427,8 @@ class RunConfig:
         _check(self.staleness_policy in STALENESS_POLICIES,
                f"staleness_policy must be one of {STALENESS_POLICIES}, got {self.staleness_policy!r}")
         _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        _check(self.eval_samples >= 0, f"eval_samples must be >= 0, got {self.eval_samples}")
+        _check(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature}")
         _check(self.price_per_hour >= 0, f"price_per_hour must be >= 0, got {self.price_per_hour}")
         _check(self.keep_versions >= 0, f"keep_versions must be >= 0, got {self.keep_versions}")
         _check(self.keep_versions == 0 or self.keep_versions > self.depth,

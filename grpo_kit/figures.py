@@ -27,6 +27,8 @@ COLORS = {
     "reward": _C[0],
     "train_acc": _C[2],
     "eval_acc": _C[1],
+    "eval_pass_at_k": _C[7],
+    "eval_maj_acc": _C[8],
     "base": "#7f7f7f",
     "ratio": _C[0],
     "clip_low": _C[4],
@@ -160,6 +162,8 @@ def reward_data(records: Sequence[Record]) -> list[Arrays]:
         _xy(eval_series(records, "eval_acc")),
         _xy(eval_series(records, "eval_lenient_acc")),
         {"x": bx, "y": [base] * len(bx)},
+        _xy(eval_series(records, "eval_pass_at_k")),
+        _xy(eval_series(records, "eval_maj_acc")),
     ]
 
 
@@ -167,9 +171,10 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
     """Reward mean with a ±std band (left axis); train, held-out and base-model accuracy (right axis).
 
     Accuracy is strict (the ``#### <n>`` form and the right value), with lenient accuracy (the right
-    value by any rule) beside it, lighter and dotted, where the records have it.
+    value by any rule) beside it, lighter and dotted, where the records have it. A run with
+    ``eval_samples`` = k adds held-out pass@k (at that k) and maj@k (:mod:`grpo_kit.passk`).
     """
-    band, mean, train, train_len, ev, ev_len, base = reward_data(records)
+    band, mean, train, train_len, ev, ev_len, base, pass_k, maj = reward_data(records)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(_band(band, "reward ± std", COLORS["reward"]), secondary_y=False)
     fig.add_trace(_line(mean, "reward mean", COLORS["reward"]), secondary_y=False)
@@ -182,6 +187,9 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
         go.Scatter(**base, name="base model", mode="lines", line=dict(color=COLORS["base"], dash="dash")),
         secondary_y=True,
     )
+    # runs without a sampled evaluation leave these two empty, out of the legend
+    fig.add_trace(_line(pass_k, "held-out pass@k", COLORS["eval_pass_at_k"], dash="dash"), secondary_y=True)
+    fig.add_trace(_line(maj, "held-out maj@k", COLORS["eval_maj_acc"], dash="dashdot"), secondary_y=True)
     _style(fig, "Reward and accuracy", 420)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="reward", secondary_y=False)

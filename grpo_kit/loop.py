@@ -357,8 +357,11 @@ class _Driver:
         return busy | {e["version"] for e in self.state.get("carry") or []}
 
     def submit_eval(self, iteration: int, version: int) -> None:
+        r = self.cfg.run  # sampled evaluation: one seed for every version, so versions differ by policy, not draw
         fut = self.client.submit(remote.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
-                                 episodes=self.episodes, key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
+                                 episodes=self.episodes, samples=r.eval_samples, temperature=r.eval_temperature,
+                                 seed=_seed(r.seed, "eval"),
+                                 key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
                                  priority=-10)  # generation goes first when both wait for an engine
         self.evals.append((iteration, fut))
 
@@ -498,6 +501,8 @@ class _Driver:
         if res["version"] > 0:
             rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
             rec["eval_lenient_acc"] = res.get("lenient_acc")
+            if "pass_at" in res:  # a sampled evaluation (eval_samples = k): pass@k at k, maj@k
+                rec["eval_pass_at_k"], rec["eval_maj_acc"] = res["pass_at"][str(res["samples"])], res["maj_acc"]
 
     def last_eval(self):
         evs = [e for e in self.state["evals"] if e["version"] > 0]

@@ -222,6 +222,10 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
     episodes = {f"{k}_{when}": (es[-1].get(k) if es else None)
                 for k in ("tool_rate", "turns_mean") for when, es in (("before", base), ("after", evs))
                 } if any("tool_rate" in e for e in state["evals"]) else {}
+    # sampled evaluations (eval_samples = k): pass@1..k, avg@k and maj@k before and after; else no such keys
+    sampled = {f"{k}_{when}": (es[-1].get(k) if es else None)
+               for k in ("pass_at", "avg_acc", "maj_acc") for when, es in (("before", base), ("after", evs))
+               } if any("pass_at" in e for e in state["evals"]) else {}
     return {
         "acc_before": state["base_acc"],
         "acc_after": evs[-1]["acc"] if evs else None,
@@ -241,4 +245,5 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
         "warm_up_s": warm_up_s,
         "preflight": preflight,
         **episodes,
+        **sampled,
     }

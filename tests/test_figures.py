@@ -21,6 +21,8 @@ EXPECTED = {
         "held-out accuracy",
         "held-out (lenient)",
         "base model",
+        "held-out pass@k",
+        "held-out maj@k",
     },
     "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL", "weight capped",
               "weight min/max", "weight mean", "mismatch KL", "mismatch far"},
@@ -66,6 +68,12 @@ def test_reward_figure_values():
     assert base.x == (0, 11) and base.y == (0.25, 0.25) and base.line.dash == "dash"
     band = trace(fig, "reward ± std")
     assert len(band.x) == 24 and band.fill == "toself"
+    # a sampled evaluation's pass@k and maj@k sit with the greedy accuracy, on the accuracy axis
+    for name, y0 in (("held-out pass@k", 0.4), ("held-out maj@k", 0.3)):
+        t = trace(fig, name)
+        assert t.x == ev.x and t.y[-1] == pytest.approx(y0 + 0.05 * 11) and t.yaxis == "y2", name
+    greedy_only = [{k: v for k, v in r.items() if k not in ("eval_pass_at_k", "eval_maj_acc")} for r in synthetic_records(8)]
+    assert trace(figures.reward_figure(greedy_only), "held-out pass@k").x == ()  # there, empty: out of the legend
 
 
 def test_components_figure_plots_each_reward_where_it_applied():

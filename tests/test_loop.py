@@ -105,7 +105,7 @@ def _watch_driver(client, monkeypatch) -> list:
 
 def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     # no pre-flight sweep here: its message sizes are a list of numbers the driver rightly sends
-    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="")
+    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="", eval_samples=4)
     seen = []
     through_driver = _watch_driver(client, monkeypatch)
     res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False)
@@ -134,6 +134,21 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     assert {"generate", "train", "publish", "eval"} <= kinds
     assert res.summary["acc_before"] is not None and res.summary["acc_after"] is not None
     assert res.summary["iterations"] == 4
+    # eval_samples=4: every evaluation (base model's included) also sampled 4 completions per problem
+    evals = [e for r in res.records for e in r.get("evals", [])]
+    assert sorted(e["version"] for e in evals) == [0, 2, 4]
+    for e in evals:
+        p = e["pass_at"]
+        assert e["samples"] == 4 and list(p) == ["1", "2", "4"] and e["temperature"] == 1.0
+        assert p["1"] == pytest.approx(e["avg_acc"])  # c/n per problem, averaged: avg@k
+        assert 0 <= p["1"] <= p["2"] <= p["4"] <= 1  # more tries never pass less
+        assert e["maj_acc"] is not None and e["maj_acc"] <= p["4"]  # a right majority needs a right sample
+    assert any(e["pass_at"]["4"] > e["pass_at"]["1"] for e in evals)  # sampled, not the greedy answer 4 times
+    rec = next(r for r in res.records if r.get("eval_version") == 4)
+    final = next(e for e in evals if e["version"] == 4)
+    assert (rec["eval_pass_at_k"], rec["eval_maj_acc"]) == (final["pass_at"]["4"], final["maj_acc"])
+    assert res.summary["pass_at_after"] == final["pass_at"] and res.summary["maj_acc_after"] == final["maj_acc"]
+    assert res.summary["avg_acc_before"] == next(e for e in evals if e["version"] == 0)["avg_acc"]
     # engines and both ranks were built before the first iteration, and that time is kept apart
     warm = res.summary["warm_up_s"]
     assert sorted(k.split(" ")[0] for k in warm) == ["engine"] * 2 + ["trainer"] * cfg.cluster.world_size
@@ -509,7 +524,7 @@ def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
     from grpo_kit import testing
 
     cfg = _cfg(tmp_path, iterations=3, eval_every=2, world_size=2, preflight_sizes="", max_turns=3,
-               max_turn_tokens=32, max_episode_tokens=160)
+               max_turn_tokens=32, max_episode_tokens=160, eval_samples=2)
     res = loop.run(cfg, client=client, progress=False, task=testing.notes_task())
     rows = _rollouts(tmp_path / "run")
     eps = [r["episode"] for r in rows]
@@ -525,6 +540,10 @@ def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
     assert _chain(AdapterStore(cfg.run.store_root)) == [1, 2, 3]
     evals = [e for r in res.records for e in r.get("evals", [])]
     assert evals and all(0 <= e["tool_rate"] <= 1 and e["turns_mean"] >= 1 for e in evals)
+    # eval_samples=2: two sampled episodes per problem besides the greedy one; the environment's reward
+    # extracts no answer, so there is nothing for maj@k to vote on
+    assert all(list(e["pass_at"]) == ["1", "2"] and e["pass_at"]["1"] <= e["pass_at"]["2"] for e in evals)
+    assert all(e["pass_at"]["1"] == pytest.approx(e["avg_acc"]) and e["maj_acc"] is None for e in evals)
     # each record counts its batch's episodes (grpo_kit.metrics.episode_metrics); the summary, the tool rate
     declared = records.schema_keys()
     assert not {k for r in res.records for k in r} - declared and not {k for e in evals for k in e} - declared
