@@ -66,6 +66,13 @@ class DataConfig:
     task_options: dict = field(default_factory=dict)
     """Keyword options for the task's factory (e.g. ``{"source": "path/to/rows.jsonl"}`` for
     ``"math"``); they override those the config supplies (``n_digits``, ``dataset``, the reward fields)."""
+    eval_sets: dict = field(default_factory=dict)
+    """More held-out sets, each evaluated beside the task's own at every evaluation: ``{name: task}``,
+    ``task`` a task name, ``"package.module:factory"`` or ``{"task": ..., **options}`` (the factory's
+    options, e.g. ``{"gsm8k": {"task": "gsm8k", "source": "data/gsm8k"}}``; ``loop.run(eval_sets=...)``
+    also takes Task objects). Each draws ``eval_size`` problems of its held-out split, scored by its
+    own rewards, recorded under its name (greedy and ``eval_samples``). Single-turn tasks whose
+    instruction is the run task's (the engines give every prompt one instruction) or with ``instruction`` set."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.n_digits <= 6, f"n_digits must be in 1..6, got {self.n_digits}")
@@ -74,6 +81,11 @@ class DataConfig:
         _check(self.train_size >= 1, f"train_size must be >= 1, got {self.train_size}")
         _check(bool(self.task), "task must be 'auto', a built-in task name or 'package.module:factory'")
         _check(isinstance(self.task_options, dict), f"task_options must be a dict, got {type(self.task_options).__name__}")
+        _check(isinstance(self.eval_sets, dict), f"eval_sets must be a dict, got {type(self.eval_sets).__name__}")
+        for name, spec in self.eval_sets.items():
+            _check(isinstance(name, str) and bool(name), f"eval_sets names must be non-empty strings, got {name!r}")
+            _check(isinstance(spec, str) and bool(spec) or isinstance(spec, dict) and isinstance(spec.get("task"), str),
+                   f"eval_sets[{name!r}] must be a task name, 'package.module:factory' or {{'task': ..., **options}}, got {spec!r}")
 
     @property
     def task_name(self) -> str:

@@ -62,6 +62,8 @@ class EvalResult(TypedDict, total=False):
     """Unix time it ended."""
     iteration: int
     """The iteration that submitted it (-1: the base model's, before the first)."""
+    set: str
+    """The held-out set's name in ``DataConfig.eval_sets``; absent for the task's own held-out set."""
     # a multi-turn task's evaluation (one greedy episode per problem); absent for a single-turn task
     tool_rate: float
     """Share of the episodes that called a tool."""

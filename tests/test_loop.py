@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -105,7 +106,8 @@ def _watch_driver(client, monkeypatch) -> list:
 
 def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     # no pre-flight sweep here: its message sizes are a list of numbers the driver rightly sends
-    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="", eval_samples=4)
+    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="", eval_samples=4,
+               eval_sets={"sums4": {"task": "synthetic", "n_digits": 4}})
     seen = []
     through_driver = _watch_driver(client, monkeypatch)
     res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False)
@@ -136,7 +138,13 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     assert res.summary["iterations"] == 4
     # eval_samples=4: every evaluation (base model's included) also sampled 4 completions per problem
     evals = [e for r in res.records for e in r.get("evals", [])]
-    assert sorted(e["version"] for e in evals) == [0, 2, 4]
+    other = [e for e in evals if e.get("set") == "sums4"]  # eval_sets: another task's held-out set, beside
+    evals = [e for e in evals if "set" not in e]
+    assert sorted(e["version"] for e in evals) == [0, 2, 4] and sorted(e["version"] for e in other) == [0, 2, 4]
+    assert all(e["n"] == 16 and e["samples"] == 4 for e in other)
+    assert res.summary["eval_sets"]["sums4"]["acc_after"] == next(e["acc"] for e in other if e["version"] == 4)
+    assert res.summary["acc_after"] == next(e["acc"] for e in evals if e["version"] == 4)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["eval_sets"]["sums4"]["name"] == "synthetic"
     for e in evals:
         p = e["pass_at"]
         assert e["samples"] == 4 and list(p) == ["1", "2", "4"] and e["temperature"] == 1.0
@@ -156,6 +164,21 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     _assert_groups_exact(tmp_path / "run", cfg)
     # the trainer gang was DDP over 2 ranks on 2 distinct worker processes
     assert res.records[0]["gang_restarts"] == 0
+
+
+def test_other_eval_sets_resolve_and_are_refused_clearly():
+    task = tasks.resolve("synthetic")
+    cfg = _cfg(Path("/tmp"), eval_sets={"gsm8k-like": "synthetic", "sums4": {"task": "synthetic", "n_digits": 4}})
+    other = tasks.Task("words", lambda split, n, seed: [], [lambda completions, **kw: [0.0] * len(completions)],
+                       instruction="Answer in words.")
+    got = loop.eval_set_tasks(cfg, task, {"mine": task})
+    assert list(got) == ["gsm8k-like", "sums4", "mine"] and got["mine"] is task
+    with pytest.raises(ValueError, match="multi-turn"):
+        loop.eval_set_tasks(cfg, task, {"tools": "calculator"})
+    with pytest.raises(ValueError, match="instruction 'Answer in words.' is not the run task's"):
+        loop.eval_set_tasks(cfg, task, {"words": other})
+    # one instruction for every prompt (PromptConfig.instruction): then any single-turn task goes
+    assert loop.eval_set_tasks(cfg.override(instruction="Say it."), task, {"words": other})["words"] is other
 
 
 def test_sequential_is_on_policy(tmp_path, client):
