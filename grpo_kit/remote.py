@@ -315,7 +315,7 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
         results = scorer.score_problems(probs, [r.text for r in outs], completion_ids=[r.completion_ids for r in outs])
     if samples:
-        extra.update(sampled_eval(probs, version, max_new_tokens, scorer, episodes, samples, temperature, seed))
+        extra.update(sampled_eval(_engine(), probs, version, max_new_tokens, scorer, episodes, samples, temperature, seed))
     correct = [res.correct for res in results]
     return {**extra,
         "version": version,
@@ -329,13 +329,12 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
     }
 
 
-def sampled_eval(probs: list[Problem], version: int, max_new_tokens: int, scorer: Scorer,
+def sampled_eval(engine, probs: list[Problem], version: int, max_new_tokens: int, scorer: Scorer,
                  episodes: EpisodePlan | None, samples: int, temperature: float, seed: int) -> dict:
-    """``samples`` completions per problem (episodes, for a multi-turn task) sampled at
+    """``samples`` completions per problem (episodes, for a multi-turn task) from ``engine``, sampled at
     ``temperature``, scored by the task's rewards: pass@k, avg@k and maj@k of them
     (:func:`grpo_kit.passk.sampled_metrics`; maj@k votes on each score's extracted ``answer``), plus
     ``temperature``, ``sample_truncated`` and ``sample_reward_errors``."""
-    engine = _engine()
     if episodes is not None:
         lives = episodes.runner(engine, for_engine(engine), temperature).play(probs, samples, version, seed=seed)
         outs = [to_rollout(lv.ep) for lv in lives]

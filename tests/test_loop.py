@@ -6,6 +6,7 @@ end to end by the notebook test and tests/test_vllm_engine.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -106,11 +107,12 @@ def _watch_driver(client, monkeypatch) -> list:
 
 def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     # no pre-flight sweep here: its message sizes are a list of numbers the driver rightly sends
-    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="", eval_samples=4,
-               eval_sets={"sums4": {"task": "synthetic", "n_digits": 4}})
+    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="", eval_samples=4)
     seen = []
     through_driver = _watch_driver(client, monkeypatch)
-    res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False)
+    sums4 = tasks.resolve("synthetic", n_digits=4)  # another held-out set (eval_sets), 4 problems to keep it cheap
+    sums4 = dataclasses.replace(sums4, problems=lambda split, n, seed, t=sums4: t.problems(split, 4, seed))
+    res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False, eval_sets={"sums4": sums4})
     # token ids and log-probs went from the rollout workers to both ranks, not through the driver
     assert cfg.cluster.world_size == 2 and any(name == "gather" for name, _ in through_driver)
     assert [name for name, x in through_driver if _numeric_lists(x)] == []
@@ -141,7 +143,7 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     other = [e for e in evals if e.get("set") == "sums4"]  # eval_sets: another task's held-out set, beside
     evals = [e for e in evals if "set" not in e]
     assert sorted(e["version"] for e in evals) == [0, 2, 4] and sorted(e["version"] for e in other) == [0, 2, 4]
-    assert all(e["n"] == 16 and e["samples"] == 4 for e in other)
+    assert all(e["n"] == 4 and e["samples"] == 4 for e in other)
     assert res.summary["eval_sets"]["sums4"]["acc_after"] == next(e["acc"] for e in other if e["version"] == 4)
     assert res.summary["acc_after"] == next(e["acc"] for e in evals if e["version"] == 4)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["eval_sets"]["sums4"]["name"] == "synthetic"
@@ -547,7 +549,7 @@ def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
     from grpo_kit import testing
 
     cfg = _cfg(tmp_path, iterations=3, eval_every=2, world_size=2, preflight_sizes="", max_turns=3,
-               max_turn_tokens=32, max_episode_tokens=160, eval_samples=2)
+               max_turn_tokens=32, max_episode_tokens=160)
     res = loop.run(cfg, client=client, progress=False, task=testing.notes_task())
     rows = _rollouts(tmp_path / "run")
     eps = [r["episode"] for r in rows]
@@ -563,10 +565,6 @@ def test_multi_turn_episodes_train_through_the_pipelined_loop(tmp_path, client):
     assert _chain(AdapterStore(cfg.run.store_root)) == [1, 2, 3]
     evals = [e for r in res.records for e in r.get("evals", [])]
     assert evals and all(0 <= e["tool_rate"] <= 1 and e["turns_mean"] >= 1 for e in evals)
-    # eval_samples=2: two sampled episodes per problem besides the greedy one; the environment's reward
-    # extracts no answer, so there is nothing for maj@k to vote on
-    assert all(list(e["pass_at"]) == ["1", "2"] and e["pass_at"]["1"] <= e["pass_at"]["2"] for e in evals)
-    assert all(e["pass_at"]["1"] == pytest.approx(e["avg_acc"]) and e["maj_acc"] is None for e in evals)
     # each record counts its batch's episodes (grpo_kit.metrics.episode_metrics); the summary, the tool rate
     declared = records.schema_keys()
     assert not {k for r in res.records for k in r} - declared and not {k for e in evals for k in e} - declared
