@@ -58,11 +58,14 @@ def save_state(store: AdapterStore, state: dict) -> None:
 
 
 def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
-    """Identifies what a resumed run must share: everything but the length, paths and eval cadence."""
+    """Identifies what a resumed run must share: everything but the length, paths and evaluation
+    settings (cadence, samples, extra sets)."""
     d = {**cfg.to_dict(), "task": task.describe()}
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
+                                                         "eval_samples", "eval_temperature",
                                                          "price_per_hour", "keep_versions", "keep_every",
                                                          "rollouts_every", "report_to")}
+    d["data"] = {k: v for k, v in d["data"].items() if k != "eval_sets"}  # what is evaluated, not trained
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

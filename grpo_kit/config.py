@@ -81,6 +81,13 @@ class DataConfig:
     task_options: dict = field(default_factory=dict)
     """Keyword options for the task's factory (e.g. ``{"source": "path/to/rows.jsonl"}`` for
     ``"math"``); they override those the config supplies (``n_digits``, ``dataset``, the reward fields)."""
+    eval_sets: dict = field(default_factory=dict)
+    """More held-out sets, each evaluated beside the task's own at every evaluation: ``{name: task}``,
+    ``task`` a task name, ``"package.module:factory"`` or ``{"task": ..., **options}`` (the factory's
+    options, e.g. ``{"gsm8k": {"task": "gsm8k", "source": "data/gsm8k"}}``; ``loop.run(eval_sets=...)``
+    also takes Task objects). Each draws ``eval_size`` problems of its held-out split, scored by its
+    own rewards, recorded under its name (greedy and ``eval_samples``). Single-turn tasks whose
+    instruction is the run task's (the engines give every prompt one instruction) or with ``instruction`` set."""
 
     def __post_init__(self) -> None:
         _check(1 <= self.n_digits <= 6, f"n_digits must be in 1..6, got {self.n_digits}")
@@ -89,6 +96,11 @@ class DataConfig:
         _check(self.train_size >= 1, f"train_size must be >= 1, got {self.train_size}")
         _check(bool(self.task), "task must be 'auto', a built-in task name or 'package.module:factory'")
         _check(isinstance(self.task_options, dict), f"task_options must be a dict, got {type(self.task_options).__name__}")
+        _check(isinstance(self.eval_sets, dict), f"eval_sets must be a dict, got {type(self.eval_sets).__name__}")
+        for name, spec in self.eval_sets.items():
+            _check(isinstance(name, str) and bool(name), f"eval_sets names must be non-empty strings, got {name!r}")
+            _check(isinstance(spec, str) and bool(spec) or isinstance(spec, dict) and isinstance(spec.get("task"), str),
+                   f"eval_sets[{name!r}] must be a task name, 'package.module:factory' or {{'task': ..., **options}}, got {spec!r}")
 
     @property
     def task_name(self) -> str:
@@ -401,6 +413,12 @@ class RunConfig:
     batch starts ``pipeline_depth`` versions behind and is regenerated: use ``"pace"`` there."""
     eval_every: int = 4
     """Evaluate held-out accuracy every k iterations (and at the end); 0 disables."""
+    eval_samples: int = 0
+    """Sampled completions per held-out problem at each evaluation, besides the greedy one: with k >= 1
+    the evaluation also gives pass@1..k (Chen et al.'s unbiased estimator), avg@k and maj@k
+    (:mod:`grpo_kit.passk`); 0 evaluates greedily only. A multi-turn task samples k episodes."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of those ``eval_samples`` completions (the greedy one is argmax)."""
     seed: int = 0
     """Seed for prompt order, sampling and LoRA init; per-(iteration, group) seeds derive from it."""
     run_dir: str = "runs/default"
@@ -444,6 +462,8 @@ class RunConfig:
         _check(self.staleness_policy in STALENESS_POLICIES,
                f"staleness_policy must be one of {STALENESS_POLICIES}, got {self.staleness_policy!r}")
         _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
+        _check(self.eval_samples >= 0, f"eval_samples must be >= 0, got {self.eval_samples}")
+        _check(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature}")
         _check(self.price_per_hour >= 0, f"price_per_hour must be >= 0, got {self.price_per_hour}")
         _check(self.keep_versions >= 0, f"keep_versions must be >= 0, got {self.keep_versions}")
         _check(self.keep_versions == 0 or self.keep_versions > self.depth,

@@ -27,6 +27,8 @@ COLORS = {
     "reward": _C[0],
     "train_acc": _C[2],
     "eval_acc": _C[1],
+    "eval_pass_at_k": _C[7],
+    "eval_maj_acc": _C[8],
     "base": "#7f7f7f",
     "ratio": _C[0],
     "clip_low": _C[4],
@@ -160,6 +162,9 @@ def reward_data(records: Sequence[Record]) -> list[Arrays]:
         _xy(eval_series(records, "eval_acc")),
         _xy(eval_series(records, "eval_lenient_acc")),
         {"x": bx, "y": [base] * len(bx)},
+        _xy(eval_series(records, "eval_pass_at_k")),
+        _xy(eval_series(records, "eval_maj_acc")),
+        *(_eval_points(records, "acc", name) for name in eval_set_names(records)),
     ]
 
 
@@ -167,9 +172,11 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
     """Reward mean with a ±std band (left axis); train, held-out and base-model accuracy (right axis).
 
     Accuracy is strict (the ``#### <n>`` form and the right value), with lenient accuracy (the right
-    value by any rule) beside it, lighter and dotted, where the records have it.
+    value by any rule) beside it, lighter and dotted, where the records have it. A run with
+    ``eval_samples`` = k adds held-out pass@k (at that k) and maj@k (:mod:`grpo_kit.passk`), and each
+    of ``DataConfig.eval_sets`` its greedy accuracy (``held-out: <name>``).
     """
-    band, mean, train, train_len, ev, ev_len, base = reward_data(records)
+    band, mean, train, train_len, ev, ev_len, base, pass_k, maj, *sets = reward_data(records)
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(_band(band, "reward ± std", COLORS["reward"]), secondary_y=False)
     fig.add_trace(_line(mean, "reward mean", COLORS["reward"]), secondary_y=False)
@@ -182,6 +189,11 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
         go.Scatter(**base, name="base model", mode="lines", line=dict(color=COLORS["base"], dash="dash")),
         secondary_y=True,
     )
+    # runs without a sampled evaluation leave these two empty, out of the legend
+    fig.add_trace(_line(pass_k, "held-out pass@k", COLORS["eval_pass_at_k"], dash="dash"), secondary_y=True)
+    fig.add_trace(_line(maj, "held-out maj@k", COLORS["eval_maj_acc"], dash="dashdot"), secondary_y=True)
+    for k, (name, arr) in enumerate(zip(eval_set_names(records), sets, strict=True)):
+        fig.add_trace(_line(arr, f"held-out: {name}", _C[(5 + k) % len(_C)], dash="dot"), secondary_y=True)
     _style(fig, "Reward and accuracy", 420)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="reward", secondary_y=False)
@@ -451,16 +463,24 @@ def _evals_of(records: Sequence[Record]) -> list[Mapping[str, Any]]:
     return out
 
 
-def _eval_points(records: Sequence[Record], key: str) -> Arrays:
-    """A held-out episode measure of each adapter version, at the step that made it (as :func:`eval_series`)."""
+def _eval_points(records: Sequence[Record], key: str, eval_set: str | None = None) -> Arrays:
+    """A held-out measure of each adapter version, at the step that made it (as :func:`eval_series`),
+    on the task's own held-out set or on the ``eval_set`` of that name."""
     pts = sorted({(ev["version"] - 1, y) for ev in _evals_of(records)
-                  if isinstance(ev.get("version"), int) and ev["version"] > 0 and (y := number(ev.get(key))) is not None})
+                  if isinstance(ev.get("version"), int) and ev["version"] > 0 and ev.get("set") == eval_set
+                  and (y := number(ev.get(key))) is not None})
     return {"x": [p[0] for p in pts], "y": [p[1] for p in pts]}
+
+
+def eval_set_names(records: Sequence[Record]) -> list[str]:
+    """Names of the other held-out sets (``DataConfig.eval_sets``) the records' evaluations measured, first seen first."""
+    return list(dict.fromkeys(ev["set"] for ev in _evals_of(records) if isinstance(ev.get("set"), str)))
 
 
 def _base_line(records: Sequence[Record], key: str) -> Arrays:
     """The base model's held-out ``key`` (its evaluation, version 0) as a line across the iterations."""
-    base = next((y for ev in _evals_of(records) if ev.get("version") == 0 and (y := number(ev.get(key))) is not None),
+    base = next((y for ev in _evals_of(records) if ev.get("version") == 0 and ev.get("set") is None
+                 and (y := number(ev.get(key))) is not None),
                 None)
     xs = [iteration_of(r, i) for i, r in enumerate(records)] if base is not None else []
     bx = [min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1] if xs else []

@@ -31,7 +31,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +97,7 @@ def run(
     policy_loss: Callable | None = None,
     advantage: Callable | None = None,
     worker_logs: bool = True,
+    eval_sets: Mapping[str, Task | str | dict] | None = None,
 ) -> RunResult:
     """Run ``cfg.run.iterations`` GRPO iterations on a Dask cluster; returns records and summary.
 
@@ -116,6 +117,8 @@ def run(
     False leaves it where it goes (a LocalCluster's workers print under the running cell). Workers of
     a scheduler the client joined by address keep their output where they were started (call
     ``route_worker_logs`` for them on a shared file system).
+    ``eval_sets``: more held-out sets by name, as ``DataConfig.eval_sets`` takes them or as Task
+    objects (added to those the config names; see :func:`eval_set_tasks`).
     One run at a time per cluster: a run registers its engines on every rollout worker.
     """
     from tqdm.auto import tqdm
@@ -131,6 +134,8 @@ def run(
     tracking = TrackerSet.for_names(cfg.run.report_to)  # and an unknown tracker name
     train_pool = task.load("train", cfg.data.train_size, cfg.run.seed)
     heldout = task.load("heldout", cfg.data.eval_size, 0)
+    more_sets = eval_set_tasks(cfg, task, eval_sets)
+    more_heldout = {n: [remote.problem_dict(p) for p in t.load("heldout", cfg.data.eval_size, 0)] for n, t in more_sets.items()}
     own_client = client is None
     if own_client:
         client = cl.connect(
@@ -150,7 +155,9 @@ def run(
 
     try:
         state, records = checkpoint.restore(store, run_id, files, resume)
-        files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe()}, indent=1))
+        files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe(),
+                                            **({"eval_sets": {n: t.describe() for n, t in more_sets.items()}}
+                                               if more_sets else {})}, indent=1))
 
         t_warm = time.time()  # rollout workers start building their engines when the plugin arrives
         if progress:
@@ -175,6 +182,7 @@ def run(
                          list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s), EpisodePlan.of(task, cfg))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
         driver.trackers = tracking
+        driver.eval_sets = {n: (more_heldout[n], t.scorer(cfg.reward.reward_timeout_s)) for n, t in more_sets.items()}
         if resume:  # versions a crash (or a run with another policy) left behind
             driver.pruner.sweep(state["version"], driver.busy_versions())
         # engines and policies are built before the first iteration's clock starts
@@ -203,6 +211,8 @@ class _Driver:
         self.callbacks, self.records = callbacks, records
         self.pending: dict[int, _Pending] = {}
         self.evals: list = []  # (iteration, future)
+        self.eval_sets: dict = {}  # name -> (problems, scorer): DataConfig.eval_sets beside the task's own
+        self.eval_set_of: dict = {}  # an eval future's key -> its set's name (the task's own: absent)
         self.startup_s: float | None = None  # engines and policies built before the first iteration
         self.warm_up_s: dict = {}  # seconds per engine / rank (remote.warm_up)
         # task keys are unique per run() call: two drivers on one scheduler never share a task
@@ -375,10 +385,18 @@ class _Driver:
         return busy | {e["version"] for e in self.state.get("carry") or []}
 
     def submit_eval(self, iteration: int, version: int) -> None:
-        fut = self.client.submit(remote.eval_task, self.heldout, version, self.cfg.sampling.max_new_tokens, self.scorer,
-                                 episodes=self.episodes, key=f"{self.key}-eval-{iteration}-v{version}", resources={cl.ROLLOUT: 1}, retries=2,
-                                 priority=-10)  # generation goes first when both wait for an engine
-        self.evals.append((iteration, fut))
+        r = self.cfg.run  # sampled evaluation: one seed for every version, so versions differ by policy, not draw
+        sets = [(None, self.heldout, self.scorer, self.episodes)] + [(n, p, sc, None) for n, (p, sc) in self.eval_sets.items()]
+        for name, probs, scorer, episodes in sets:
+            tag = f"-{name}" if name is not None else ""
+            fut = self.client.submit(remote.eval_task, probs, version, self.cfg.sampling.max_new_tokens, scorer,
+                                     episodes=episodes, samples=r.eval_samples, temperature=r.eval_temperature,
+                                     seed=_seed(r.seed, "eval"),
+                                     key=f"{self.key}-eval{tag}-{iteration}-v{version}", resources={cl.ROLLOUT: 1},
+                                     retries=2, priority=-10)  # generation goes first when both wait for an engine
+            self.evals.append((iteration, fut))
+            if name is not None:
+                self.eval_set_of[fut.key] = name
 
     def collect_evals(self, block: bool = False) -> list[dict]:
         done = []
@@ -388,11 +406,13 @@ class _Driver:
             if block or fut.done():
                 res = self.retries.gather([fut])[0]
                 res["iteration"] = it
+                if fut.key in self.eval_set_of:
+                    res["set"] = self.eval_set_of.pop(fut.key)
                 done.append(res)
                 self.evals.remove((it, fut))
         for res in done:
             self.state["evals"].append(res)
-            if res["version"] == 0 and self.state["base_acc"] is None:
+            if res["version"] == 0 and self.state["base_acc"] is None and "set" not in res:
                 self.state["base_acc"] = res["acc"]
                 self.state["base_lenient_acc"] = res.get("lenient_acc")
         return done
@@ -514,12 +534,14 @@ class _Driver:
         baseline, any other is the held-out accuracy of the version it names."""
         rec.setdefault("evals", []).append(res)
         rec["spans"].append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
-        if res["version"] > 0:
+        if res["version"] > 0 and "set" not in res:  # another eval set's result stays in ``evals``
             rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
             rec["eval_lenient_acc"] = res.get("lenient_acc")
+            if "pass_at" in res:  # a sampled evaluation (eval_samples = k): pass@k at k, maj@k
+                rec["eval_pass_at_k"], rec["eval_maj_acc"] = res["pass_at"][str(res["samples"])], res["maj_acc"]
 
     def last_eval(self):
-        evs = [e for e in self.state["evals"] if e["version"] > 0]
+        evs = [e for e in self.state["evals"] if e["version"] > 0 and "set" not in e]
         return evs[-1]["acc"] if evs else None
 
     def prune(self) -> None:
@@ -559,6 +581,27 @@ class _Driver:
         summary = run_summary(self.state, self.records, self.gang.restarts, self.startup_s, self.warm_up_s, preflight)
         run_files(self.cfg.run.run_dir).summary.write_text(json.dumps(summary, indent=1))
         return summary
+
+
+def eval_set_tasks(cfg: Config, task: Task, given: Mapping[str, Task | str | dict] | None = None) -> dict[str, Task]:
+    """The run's other held-out sets (``cfg.data.eval_sets``, then ``given``) as tasks by name: a task
+    name or ``"package.module:factory"``, ``{"task": ..., **options}``, or a Task. Refused: a
+    multi-turn task, and one whose instruction differs from ``task``'s unless ``cfg.prompt.instruction``
+    sets one for all (the engines render every prompt with the run's instruction)."""
+    out = {}
+    for name, spec in {**cfg.data.eval_sets, **(given or {})}.items():
+        if isinstance(spec, dict):
+            opts = dict(spec)
+            t = tasks.resolve(opts.pop("task"), **opts)
+        else:
+            t = tasks.resolve(spec)
+        if t.multi_turn:
+            raise ValueError(f"eval set {name!r}: multi-turn tasks ({t.name!r}) are not supported as extra eval sets")
+        if cfg.prompt.instruction is None and t.instruction != task.instruction:
+            raise ValueError(f"eval set {name!r}: its instruction {t.instruction!r} is not the run task's "
+                             f"{task.instruction!r}; every prompt gets the run's, so set instruction= for all")
+        out[name] = t
+    return out
 
 
 def sampled_version(results: list[dict], default: int) -> int:

@@ -216,12 +216,17 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
     one. Valid JSON: None, never NaN, where nothing was measured."""
     final_version = state["version"]
     ratios, clips, kls = (series(records, k)[1] for k in ("ratio_mean", "clip_frac", "kl_mean"))
-    evs = [e for e in state["evals"] if e["version"] == final_version]
-    base = [e for e in state["evals"] if e["version"] == 0]
+    mine = [e for e in state["evals"] if "set" not in e]  # the task's own held-out set (others: eval_sets below)
+    evs = [e for e in mine if e["version"] == final_version]
+    base = [e for e in mine if e["version"] == 0]
     # multi-turn runs' evaluations measure the episodes too; a single-turn run's summary has no such keys
     episodes = {f"{k}_{when}": (es[-1].get(k) if es else None)
                 for k in ("tool_rate", "turns_mean") for when, es in (("before", base), ("after", evs))
                 } if any("tool_rate" in e for e in state["evals"]) else {}
+    # sampled evaluations (eval_samples = k): pass@1..k, avg@k and maj@k before and after; else no such keys
+    sampled = {f"{k}_{when}": (es[-1].get(k) if es else None)
+               for k in ("pass_at", "avg_acc", "maj_acc") for when, es in (("before", base), ("after", evs))
+               } if any("pass_at" in e for e in state["evals"]) else {}
     return {
         "acc_before": state["base_acc"],
         "acc_after": evs[-1]["acc"] if evs else None,
@@ -241,4 +246,22 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
         "warm_up_s": warm_up_s,
         "preflight": preflight,
         **episodes,
+        **sampled,
+        **eval_sets_summary(state["evals"], final_version),
     }
+
+
+def eval_sets_summary(evals: list[dict], final_version: int) -> dict:
+    """``{"eval_sets": {name: {acc_before, acc_after, ...}}}`` for the results of ``DataConfig.eval_sets``
+    (the base model's and the final version's; pass@k, avg@k and maj@k where sampled); ``{}`` without any."""
+    names = list(dict.fromkeys(e["set"] for e in evals if "set" in e))
+    if not names:
+        return {}
+    keys = ("acc", "lenient_acc", "pass_at", "avg_acc", "maj_acc")
+    out = {}
+    for name in names:
+        es = [e for e in evals if e.get("set") == name]
+        when = {"before": [e for e in es if e["version"] == 0], "after": [e for e in es if e["version"] == final_version]}
+        out[name] = {f"{k}_{w}": (got[-1].get(k) if got else None) for k in keys for w, got in when.items()
+                     if k in ("acc", "lenient_acc") or any(k in e for e in es)}
+    return {"eval_sets": out}

@@ -62,6 +62,8 @@ class EvalResult(TypedDict, total=False):
     """Unix time it ended."""
     iteration: int
     """The iteration that submitted it (-1: the base model's, before the first)."""
+    set: str
+    """The held-out set's name in ``DataConfig.eval_sets``; absent for the task's own held-out set."""
     # a multi-turn task's evaluation (one greedy episode per problem); absent for a single-turn task
     tool_rate: float
     """Share of the episodes that called a tool."""
@@ -69,6 +71,22 @@ class EvalResult(TypedDict, total=False):
     """Model turns per episode."""
     tool_errors: int
     """Tool calls that failed (any kind), summed over the episodes."""
+    # a sampled evaluation (RunConfig.eval_samples = k >= 1; grpo_kit.passk); absent otherwise
+    samples: int
+    """k: completions (episodes) sampled per problem at ``temperature``, besides the greedy one."""
+    temperature: float
+    """Their sampling temperature (``eval_temperature``)."""
+    pass_at: dict[str, float]
+    """pass@k (Chen et al.'s unbiased estimator, strict correctness) by k: ``"1"``, ``"2"``, ``"4"``, ... and ``str(samples)``."""
+    avg_acc: float
+    """avg@k: the samples' mean strict accuracy (equal to pass@1)."""
+    maj_acc: float | None
+    """maj@k: share of problems whose majority extracted answer is correct (None: no sample had an
+    answer to vote on; see :mod:`grpo_kit.passk`)."""
+    sample_truncated: int
+    """Sampled completions that hit the token budget."""
+    sample_reward_errors: int
+    """Sampled completions a reward function failed on."""
 
 
 class EpisodeAccount(TypedDict):
@@ -150,6 +168,10 @@ class MetricsRecord(TypedDict, total=False):
     """Held-out accuracy (lenient) of ``eval_version``."""
     eval_version: int
     """The adapter version ``eval_acc`` measures (present with ``eval_acc``)."""
+    eval_pass_at_k: float | None
+    """pass@k of ``eval_version`` at k = ``eval_samples`` (present with a sampled evaluation; every k in ``evals``)."""
+    eval_maj_acc: float | None
+    """maj@k of ``eval_version`` (present with ``eval_pass_at_k``; None: no answer to vote on)."""
     evals: list[EvalResult]
     """Every evaluation that finished during this iteration (the base model's included)."""
     base_acc: float | None

@@ -30,6 +30,7 @@ from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlu
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
 from .episode import EpisodePlan, to_rollout
+from .passk import sampled_metrics
 from .renderers import for_engine
 from .rollout import RolloutSummary, build_engine, engine_options
 from .tasks import Scorer
@@ -289,12 +290,14 @@ def summary_task(scored: dict) -> dict:
 
 
 def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: Scorer,
-              episodes: EpisodePlan | None = None) -> dict:
+              episodes: EpisodePlan | None = None, samples: int = 0, temperature: float = 1.0, seed: int = 0) -> dict:
     """Greedy held-out accuracy of adapter ``version`` (0 = the base model) by the task's rule:
     strict (``acc``; for the arithmetic tasks the ``####`` form and the right value) and lenient
     (``lenient_acc``; there, the right value by any rule). With ``episodes``: one greedy episode per
     problem, and the episodes' counts besides (``tool_rate``: share of episodes that called a tool;
-    ``turns_mean``; ``tool_errors``)."""
+    ``turns_mean``; ``tool_errors``). With ``samples`` = k >= 1: also k completions (episodes) per
+    problem sampled at ``temperature`` from ``seed``, and their pass@1..k, avg@k and maj@k
+    (:func:`sampled_eval`)."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     extra: dict = {}
@@ -311,6 +314,8 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
     else:
         outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
         results = scorer.score_problems(probs, [r.text for r in outs], completion_ids=[r.completion_ids for r in outs])
+    if samples:
+        extra.update(sampled_eval(_engine(), probs, version, max_new_tokens, scorer, episodes, samples, temperature, seed))
     correct = [res.correct for res in results]
     return {**extra,
         "version": version,
@@ -322,6 +327,32 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         "start": t0,
         "end": time.time(),
     }
+
+
+def sampled_eval(engine, probs: list[Problem], version: int, max_new_tokens: int, scorer: Scorer,
+                 episodes: EpisodePlan | None, samples: int, temperature: float, seed: int) -> dict:
+    """``samples`` completions per problem (episodes, for a multi-turn task) from ``engine``, sampled at
+    ``temperature``, scored by the task's rewards: pass@k, avg@k and maj@k of them
+    (:func:`grpo_kit.passk.sampled_metrics`; maj@k votes on each score's extracted ``answer``), plus
+    ``temperature``, ``sample_truncated`` and ``sample_reward_errors``."""
+    if episodes is not None:
+        lives = episodes.runner(engine, for_engine(engine), temperature).play(probs, samples, version, seed=seed)
+        outs = [to_rollout(lv.ep) for lv in lives]
+        scores = score_episodes(scorer, [probs[r.group_id] for r in outs], lives, [r.to_dict() for r in outs])
+    else:
+        outs = engine.generate(probs, samples, version, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        scores = scorer.score_problems([probs[r.group_id] for r in outs], [r.text for r in outs],
+                                       completion_ids=[r.completion_ids for r in outs])
+    where = [(r.group_id, r.sample_idx) for r in outs]
+    if sorted(where) != [(g, j) for g in range(len(probs)) for j in range(samples)]:
+        raise RuntimeError(f"sampled evaluation: expected {samples} samples of each of {len(probs)} problems")
+    correct = [[False] * samples for _ in probs]
+    answers: list[list] = [[None] * samples for _ in probs]
+    for (g, j), sc in zip(where, scores, strict=True):
+        correct[g][j], answers[g][j] = sc.correct, sc.answer
+    return {**sampled_metrics(correct, answers), "temperature": temperature,
+            "sample_truncated": sum(r.truncated for r in outs),
+            "sample_reward_errors": sum(sc.errors for sc in scores)}
 
 
 class TasksLost(RuntimeError):

@@ -74,6 +74,12 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
     def lenient(name: str, key: str) -> dict[str, Any]:  # runs from before lenient grading have no such key
         return {name: last_number(records, key)} if any(key in r for r in records) else {}
 
+    def sampled() -> dict[str, Any]:  # a run with eval_samples = k (grpo_kit.passk); a greedy-only run has none
+        if not any("eval_pass_at_k" in r for r in records):
+            return {}
+        return {"final eval pass@k": last_number(records, "eval_pass_at_k"),
+                "final eval maj@k": last_number(records, "eval_maj_acc")}
+
     def episodes() -> dict[str, Any]:  # a multi-turn run's rows; a single-turn run has none
         if not any("turns_mean" in r for r in records):
             return {}
@@ -94,6 +100,7 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
         "base accuracy": last_number(records, "base_acc"),
         "final eval accuracy": evals[-1] if evals else None,
         **lenient("final eval accuracy (lenient)", "eval_lenient_acc"),
+        **sampled(),
         "best eval accuracy": max(evals) if evals else None,
         "final train accuracy": last_number(records, "train_acc"),
         **lenient("final train accuracy (lenient)", "train_lenient_acc"),

@@ -39,6 +39,8 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "train_lenient_acc": 0.2 + 0.05 * i,
                 "eval_acc": 0.25 + 0.0625 * i if evaluated else None,
                 "eval_lenient_acc": 0.3 + 0.0625 * i if evaluated else None,
+                "eval_pass_at_k": 0.4 + 0.05 * i if evaluated else None,  # eval_samples = k
+                "eval_maj_acc": 0.3 + 0.05 * i if evaluated else None,
                 "base_acc": 0.25,
                 "loss": -0.01 * i,
                 "ratio_mean": 1.0 + 0.001 * i,

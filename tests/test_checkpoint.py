@@ -42,3 +42,12 @@ def test_reconcile_drops_the_carry_a_folded_in_step_consumed(tmp_path):
     assert (out["version"], out["next_iteration"], out["carry"]) == (3, 3, [])
     assert out["groups_seen"] == [3, 8]
     assert checkpoint.reconcile(state, AdapterStore(str(tmp_path / "empty")))["carry"] == carry  # nothing folded
+
+
+def test_evaluation_settings_do_not_change_what_a_resumed_run_must_share():
+    from grpo_kit import config, tasks
+
+    cfg, task = config.profile("tiny"), tasks.resolve("synthetic")
+    same = cfg.override(eval_samples=8, eval_temperature=0.7, eval_every=2, eval_sets={"more": "synthetic"})
+    assert checkpoint.run_id_for(cfg, "x", task) == checkpoint.run_id_for(same, "x", task)
+    assert checkpoint.run_id_for(cfg, "x", task) != checkpoint.run_id_for(cfg.override(n_digits=2), "x", task)  # training data

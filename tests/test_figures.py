@@ -21,6 +21,8 @@ EXPECTED = {
         "held-out accuracy",
         "held-out (lenient)",
         "base model",
+        "held-out pass@k",
+        "held-out maj@k",
     },
     "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL", "weight capped",
               "weight min/max", "weight mean", "mismatch KL", "mismatch far"},
@@ -66,6 +68,12 @@ def test_reward_figure_values():
     assert base.x == (0, 11) and base.y == (0.25, 0.25) and base.line.dash == "dash"
     band = trace(fig, "reward ± std")
     assert len(band.x) == 24 and band.fill == "toself"
+    # a sampled evaluation's pass@k and maj@k sit with the greedy accuracy, on the accuracy axis
+    for name, y0 in (("held-out pass@k", 0.4), ("held-out maj@k", 0.3)):
+        t = trace(fig, name)
+        assert t.x == ev.x and t.y[-1] == pytest.approx(y0 + 0.05 * 11) and t.yaxis == "y2", name
+    greedy_only = [{k: v for k, v in r.items() if k not in ("eval_pass_at_k", "eval_maj_acc")} for r in synthetic_records(8)]
+    assert trace(figures.reward_figure(greedy_only), "held-out pass@k").x == ()  # there, empty: out of the legend
 
 
 def test_components_figure_plots_each_reward_where_it_applied():
@@ -98,6 +106,10 @@ def test_runs_without_lenient_accuracy_draw_and_report_as_before(tmp_path):
     assert new["final train accuracy (lenient)"] == pytest.approx(0.2 + 0.05 * 7)
     keys = list(new)  # each lenient row right after its strict one
     assert keys.index("final eval accuracy (lenient)") == keys.index("final eval accuracy") + 1
+    # a sampled evaluation's pass@k and maj@k (eval_samples = k) come after the greedy rows; none without one
+    assert (new["final eval pass@k"], new["final eval maj@k"]) == pytest.approx((0.4 + 0.05 * 7, 0.3 + 0.05 * 7))
+    greedy = [{k: v for k, v in r.items() if k not in ("eval_pass_at_k", "eval_maj_acc")} for r in synthetic_records(8)]
+    assert not [k for k in report.final_numbers(greedy) if "@k" in k]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     assert "accuracy (lenient)</th>" not in report.write_report(tmp_path).read_text()
 
@@ -276,3 +288,18 @@ def test_episode_figures_survive_missing_and_odd_data(records):
         assert EPISODE_EXPECTED[key] <= names(fig), key
         fig.to_json()
     report.final_numbers(records)
+
+
+def test_other_eval_sets_get_a_line_each_from_their_results():
+    recs = [{"iteration": i} for i in range(5)]
+    recs[1]["evals"] = [{"version": 0, "acc": 0.1}, {"version": 0, "acc": 0.9, "set": "gsm8k"},
+                        {"version": 2, "acc": 0.5}, {"version": 2, "acc": 0.25, "set": "gsm8k"}]
+    recs[1].update(eval_acc=0.5, eval_version=2)
+    recs[4]["evals"] = [{"version": 4, "acc": 0.75, "set": "gsm8k"}, {"version": 4, "acc": 0.5, "set": "sums"}]
+    fig = figures.reward_figure(recs)
+    assert figures.eval_set_names(recs) == ["gsm8k", "sums"]
+    gsm = trace(fig, "held-out: gsm8k")
+    assert (gsm.x, gsm.y, gsm.yaxis) == ((1, 3), (0.25, 0.75), "y2")  # at the steps that made v2, v4; no base point
+    assert trace(fig, "held-out: sums").x == (3,)
+    assert trace(fig, "held-out accuracy").y == (0.5,)  # the task's own set only
+    assert not [n for n in names(figures.reward_figure(recs[:1])) if n.startswith("held-out: ")]

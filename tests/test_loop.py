@@ -6,6 +6,7 @@ end to end by the notebook test and tests/test_vllm_engine.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -13,6 +14,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -105,10 +107,12 @@ def _watch_driver(client, monkeypatch) -> list:
 
 def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     # no pre-flight sweep here: its message sizes are a list of numbers the driver rightly sends
-    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="")
+    cfg = _cfg(tmp_path, iterations=4, eval_every=2, world_size=2, preflight_sizes="", eval_samples=4)
     seen = []
     through_driver = _watch_driver(client, monkeypatch)
-    res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False)
+    sums4 = tasks.resolve("synthetic", n_digits=4)  # another held-out set (eval_sets), 4 problems to keep it cheap
+    sums4 = dataclasses.replace(sums4, problems=lambda split, n, seed, t=sums4: t.problems(split, 4, seed))
+    res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False, eval_sets={"sums4": sums4})
     # token ids and log-probs went from the rollout workers to both ranks, not through the driver
     assert cfg.cluster.world_size == 2 and any(name == "gather" for name, _ in through_driver)
     assert [name for name, x in through_driver if _numeric_lists(x)] == []
@@ -134,6 +138,27 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     assert {"generate", "train", "publish", "eval"} <= kinds
     assert res.summary["acc_before"] is not None and res.summary["acc_after"] is not None
     assert res.summary["iterations"] == 4
+    # eval_samples=4: every evaluation (base model's included) also sampled 4 completions per problem
+    evals = [e for r in res.records for e in r.get("evals", [])]
+    other = [e for e in evals if e.get("set") == "sums4"]  # eval_sets: another task's held-out set, beside
+    evals = [e for e in evals if "set" not in e]
+    assert sorted(e["version"] for e in evals) == [0, 2, 4] and sorted(e["version"] for e in other) == [0, 2, 4]
+    assert all(e["n"] == 4 and e["samples"] == 4 for e in other)
+    assert res.summary["eval_sets"]["sums4"]["acc_after"] == next(e["acc"] for e in other if e["version"] == 4)
+    assert res.summary["acc_after"] == next(e["acc"] for e in evals if e["version"] == 4)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["eval_sets"]["sums4"]["name"] == "synthetic"
+    for e in evals:
+        p = e["pass_at"]
+        assert e["samples"] == 4 and list(p) == ["1", "2", "4"] and e["temperature"] == 1.0
+        assert p["1"] == pytest.approx(e["avg_acc"])  # c/n per problem, averaged: avg@k
+        assert 0 <= p["1"] <= p["2"] <= p["4"] <= 1  # more tries never pass less
+        assert e["maj_acc"] is not None and e["maj_acc"] <= p["4"]  # a right majority needs a right sample
+    assert any(e["pass_at"]["4"] > e["pass_at"]["1"] for e in evals)  # sampled, not the greedy answer 4 times
+    rec = next(r for r in res.records if r.get("eval_version") == 4)
+    final = next(e for e in evals if e["version"] == 4)
+    assert (rec["eval_pass_at_k"], rec["eval_maj_acc"]) == (final["pass_at"]["4"], final["maj_acc"])
+    assert res.summary["pass_at_after"] == final["pass_at"] and res.summary["maj_acc_after"] == final["maj_acc"]
+    assert res.summary["avg_acc_before"] == next(e for e in evals if e["version"] == 0)["avg_acc"]
     # engines and both ranks were built before the first iteration, and that time is kept apart
     warm = res.summary["warm_up_s"]
     assert sorted(k.split(" ")[0] for k in warm) == ["engine"] * 2 + ["trainer"] * cfg.cluster.world_size
@@ -141,6 +166,21 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     _assert_groups_exact(tmp_path / "run", cfg)
     # the trainer gang was DDP over 2 ranks on 2 distinct worker processes
     assert res.records[0]["gang_restarts"] == 0
+
+
+def test_other_eval_sets_resolve_and_are_refused_clearly():
+    task = tasks.resolve("synthetic")
+    cfg = _cfg(Path("/tmp"), eval_sets={"gsm8k-like": "synthetic", "sums4": {"task": "synthetic", "n_digits": 4}})
+    other = tasks.Task("words", lambda split, n, seed: [], [lambda completions, **kw: [0.0] * len(completions)],
+                       instruction="Answer in words.")
+    got = loop.eval_set_tasks(cfg, task, {"mine": task})
+    assert list(got) == ["gsm8k-like", "sums4", "mine"] and got["mine"] is task
+    with pytest.raises(ValueError, match="multi-turn"):
+        loop.eval_set_tasks(cfg, task, {"tools": "calculator"})
+    with pytest.raises(ValueError, match="instruction 'Answer in words.' is not the run task's"):
+        loop.eval_set_tasks(cfg, task, {"words": other})
+    # one instruction for every prompt (PromptConfig.instruction): then any single-turn task goes
+    assert loop.eval_set_tasks(cfg.override(instruction="Say it."), task, {"words": other})["words"] is other
 
 
 def test_sequential_is_on_policy(tmp_path, client):

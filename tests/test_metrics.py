@@ -184,3 +184,31 @@ def test_the_summary_has_the_tool_rate_before_and_after_where_evals_measured_it(
     single = run_summary({**state, "evals": [{k: e[k] for k in ("version", "acc")} for e in evals]}, records, 0, None,
                          {}, None)
     assert not [k for k in single if k.startswith(("tool_rate", "turns_mean"))]  # a single-turn run's summary
+
+
+def test_the_summary_has_pass_at_k_and_maj_at_k_only_where_evals_sampled():
+    records = _records([SPREAD, SPREAD])
+    sampled = {"samples": 4, "temperature": 1.0}
+    evals = [{"version": 0, "acc": 0.1, **sampled, "pass_at": {"1": 0.2, "2": 0.3, "4": 0.4}, "avg_acc": 0.2, "maj_acc": None},
+             {"version": 2, "acc": 0.3, **sampled, "pass_at": {"1": 0.5, "2": 0.6, "4": 0.8}, "avg_acc": 0.5, "maj_acc": 0.6}]
+    state = {"version": 2, "base_acc": 0.1, "evals": evals, "grpo_wall_s": 1.0, "next_iteration": 2}
+    summary = run_summary(state, records, 0, None, {}, None)
+    assert summary["pass_at_before"] == {"1": 0.2, "2": 0.3, "4": 0.4} and summary["pass_at_after"]["4"] == 0.8
+    assert (summary["avg_acc_before"], summary["avg_acc_after"]) == (0.2, 0.5)
+    assert (summary["maj_acc_before"], summary["maj_acc_after"]) == (None, 0.6)
+    strict_json(json.dumps(summary))
+    greedy = run_summary({**state, "evals": [{k: e[k] for k in ("version", "acc")} for e in evals]}, records, 0, None,
+                         {}, None)
+    assert not [k for k in greedy if k.startswith(("pass_at", "avg_acc", "maj_acc"))]  # eval_samples=0
+
+
+def test_other_eval_sets_are_summarized_apart_from_the_tasks_own():
+    records = _records([SPREAD, SPREAD])
+    evals = [{"version": 0, "acc": 0.1}, {"version": 0, "acc": 0.7, "set": "gsm8k", "lenient_acc": 0.8},
+             {"version": 2, "acc": 0.3}, {"version": 2, "acc": 0.9, "set": "gsm8k", "lenient_acc": 1.0}]
+    state = {"version": 2, "base_acc": 0.1, "evals": evals, "grpo_wall_s": 1.0, "next_iteration": 2}
+    summary = run_summary(state, records, 0, None, {}, None)
+    assert summary["acc_after"] == 0.3  # never the other set's result of the same version
+    assert summary["eval_sets"] == {"gsm8k": {"acc_before": 0.7, "acc_after": 0.9,
+                                              "lenient_acc_before": 0.8, "lenient_acc_after": 1.0}}
+    assert "eval_sets" not in run_summary({**state, "evals": evals[::2]}, records, 0, None, {}, None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from grpo_kit import cluster as cl
 from grpo_kit import config, models, remote
 
@@ -90,3 +92,32 @@ def test_score_episodes_passes_each_episodes_completion_ids_beside_the_environme
     scores = remote.score_episodes(Scorer([r], [1.0], ["n"]), probs, lives, rows)
     assert seen == {"ids": [[1, 2, 3, 4], [5]], "envs": ["env0", "env1"], "env_reward": [0.0, 0.5]}
     assert [s.reward for s in scores] == [4.0, 1.0] == [row["reward"] for row in rows]
+
+
+def test_sampled_eval_plays_k_episodes_per_problem_for_a_multi_turn_task():
+    """In process, no cluster: with a multi-turn task the sampled evaluation plays ``samples``
+    episodes of every problem (the rewards see each question that often) and gives pass@k and
+    avg@k; the environment's reward extracts no answer, so maj@k is None, not 0."""
+    from collections import Counter
+
+    from grpo_kit import data, testing, tiny
+    from grpo_kit.episode import EpisodePlan
+    from grpo_kit.rollout import HFEngine
+    from grpo_kit.tasks import Scorer
+
+    task = testing.notes_task()
+    cfg = config.profile("tiny", max_turns=2, max_turn_tokens=8, max_episode_tokens=64)
+    seen = []
+
+    def env(prompts, completions, env_reward, **kwargs):
+        seen.extend(prompts)
+        return list(env_reward)
+
+    probs = data.synthetic_problems(3, split="heldout", seed=0)
+    engine = HFEngine(str(tiny.ensure_tiny_model()), max_model_len=256)
+    out = remote.sampled_eval(engine, probs, 0, 8, Scorer([env], [1.0], ["env"], correct_at=2.0),
+                              EpisodePlan.of(task, cfg), 2, 1.0, seed=0)
+    assert Counter(seen) == {p.question: 2 for p in probs}
+    assert out["samples"] == 2 and list(out["pass_at"]) == ["1", "2"] and out["temperature"] == 1.0
+    assert out["pass_at"]["1"] == pytest.approx(out["avg_acc"]) and 0 <= out["pass_at"]["1"] <= out["pass_at"]["2"] <= 1
+    assert out["maj_acc"] is None and out["sample_reward_errors"] == 0

@@ -110,6 +110,18 @@ def test_reward_results_give_their_own_correctness_and_reason():
     assert (s.reward, s.correct, s.lenient_correct, s.reason) == (0.5, False, True, "lenient")
 
 
+def test_the_first_rewards_parsed_answer_is_what_maj_at_k_votes_on():
+    from grpo_kit.tasks.gsm8k import hash_reward
+
+    # the task's own extraction (RewardResult.parsed) of the first reward; later rewards never vote
+    sc = Scorer([hash_reward, _const(1.0)], [1.0, 1.0], ["answer", "c"])
+    out = sc.score_problems(_problems(3), ["#### 0", "#### 12", "no number here"])
+    assert [s.answer for s in out] == [0.0, 12.0, None]
+    # a first reward that returns plain floats extracts nothing
+    assert [s.answer for s in Scorer([_const(1.0), hash_reward], [1.0, 1.0], ["c", "a"]).score_problems(
+        _problems(1), ["#### 0"])] == [None]
+
+
 def test_scorer_with_a_locally_defined_function_round_trips_through_cloudpickle():
     bonus = 0.25
 

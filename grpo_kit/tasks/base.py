@@ -166,6 +166,9 @@ class Score:
     lenient_correct: bool
     errors: int = 0
     """Components that raised, timed out or returned something that is not a score."""
+    answer: Any = None
+    """The first reward's extracted answer (its ``RewardResult.parsed``), None where it returned a
+    plain number or read none: what maj@k votes on (:mod:`grpo_kit.passk`)."""
 
 
 @dataclass
@@ -248,7 +251,8 @@ class Scorer:
                 ok = lenient = v0 is not None and v0 >= self.correct_at
                 reason = f"{self.names[0]}={v0:g}" if v0 is not None else f"{self.names[0]} did not apply"
             scores.append(Score(float(total), {nm: c[i] for nm, c in zip(self.names, comps, strict=True)},
-                                reasons[i] or reason, bool(ok), bool(lenient), errors[i]))
+                                reasons[i] or reason, bool(ok), bool(lenient), errors[i],
+                                first.parsed if first is not None else None))
         return scores
 
     def score_problems(self, problems: Sequence[Problem], completions: Sequence[str],
