@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,7 +225,7 @@ from vllm.lora.request import LoRARequest
 merged, base, adapter, prompts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 llm = LLM(model=merged, dtype="float32", max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
           seed=0, enable_lora=True, max_lora_rank=8, max_loras=1)
-params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=0)
+params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=0)
 
 def run(lora=None):
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False)
@@ -241,13 +242,17 @@ print("RESULT " + json.dumps(result))
 
 
 def test_vllm_loads_the_merged_checkpoint_and_the_adapter(run, tiny_path, tmp_path):
-    """One vLLM engine (a build costs tens of seconds here): built on the merged export (``LLM(model=OUT)``),
+    """One vLLM engine (a build costs about 40 s here): built on the merged export (``LLM(model=OUT)``),
     then the base model's weights reloaded into it and the exported adapter attached with a
-    ``LoRARequest``. Each gives the greedy tokens of transformers and the trainer's log-probs of them."""
+    ``LoRARequest``. Each gives the greedy tokens of transformers and the trainer's log-probs of them.
+    The export's config and tokenizer files are the tiny model's, byte for byte, so the base run is
+    also the check that the tiny model loads in vLLM and matches transformers (once test_tiny's)."""
     pytest.importorskip("vllm")
     run_dir, spec = run
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     export.main([str(run_dir), "--merged", str(merged), "--adapter", str(adapter), "--quiet"])
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (merged / f).read_bytes() == (Path(tiny_path) / f).read_bytes(), f
     tok = AutoTokenizer.from_pretrained(tiny_path)
     prompts = [tok.encode(p.prompt, add_special_tokens=False) for p in data.synthetic_problems(4, split="heldout", seed=5)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine core in the script's process
@@ -264,7 +269,7 @@ def test_vllm_loads_the_merged_checkpoint_and_the_adapter(run, tiny_path, tmp_pa
         for p, out in zip(prompts, got[name], strict=True):
             with torch.no_grad():
                 hf = model.generate(input_ids=torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                    max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p):]
+                                    max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)[0, len(p):]
             hf = hf.tolist()
             if tok.eos_token_id in hf:  # generate pads after EOS; vLLM stops at it
                 hf = hf[: hf.index(tok.eos_token_id) + 1]
