@@ -14,7 +14,8 @@ and the store (``run.store_url``, else ``RUN_DIR/store``); the version is fetche
 :class:`grpo_kit.adapters.AdapterStore`, every file checked against its manifest's sha256.
 
 The merge is the one the vLLM engine's merged LoRA mode does (:func:`grpo_kit.vllm_engine.adapter_deltas`):
-``W + (alpha/r) B A`` per target module in float32, cast to the checkpoint's dtype (or ``dtype``),
+``W + (alpha/r) B A`` per target module in float32 (float64 for ``dtype="float64"``), cast to the
+checkpoint's dtype (or ``dtype``),
 shard by shard, every other tensor and file (config, tokenizer, chat template, generation config)
 copied byte for byte. Refused rather than merged wrong: an embedding LoRA on a model whose
 embedding is tied to its output layer (merged, it would change the output layer too), DoRA and
