@@ -536,15 +536,16 @@ def ties_word_embeddings(model_path: str) -> bool:
     return bool(getattr(conf, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
 
 
-def adapter_deltas(path: str, tied_embeddings: bool = False) -> dict:
+def adapter_deltas(path: str, tied_embeddings: bool = False, dtype=None) -> dict:
     """``{hf weight name: delta}`` in float32 for a PEFT LoRA adapter directory: ``(alpha / r) * B @ A``
     for a linear layer, ``(alpha / r) * (B @ A).T`` for an embedding (PEFT stores its A as
     ``(r, num_embeddings)`` and its B as ``(embedding_dim, r)``, the delta is ``(num_embeddings,
     embedding_dim)``). An embedding LoRA of a model that ties its embedding to its output layer
     (``tied_embeddings``) raises: merged, the delta would change the output layer too, which the
-    trainer's unmerged adapter leaves alone."""
+    trainer's unmerged adapter leaves alone. ``dtype``: the torch dtype of the deltas (None: float32)."""
     import json
 
+    import torch
     from safetensors.torch import load_file
 
     with open(os.path.join(path, "adapter_config.json")) as f:
@@ -559,10 +560,10 @@ def adapter_deltas(path: str, tied_embeddings: bool = False) -> dict:
     for key, a in sd.items():
         if ".lora_A." in key:  # a linear layer: A (r, in), B (out, r)
             module, b = key.split(".lora_A.")[0], sd[key.replace(".lora_A.", ".lora_B.")]
-            delta = b.float() @ a.float()
+            delta = b.to(dtype or torch.float32) @ a.to(dtype or torch.float32)
         elif key.endswith(".lora_embedding_A"):  # an embedding: A (r, num_embeddings), B (embedding_dim, r)
             module, b = key[: -len(".lora_embedding_A")], sd[key[: -len("A")] + "B"]
-            delta = (b.float() @ a.float()).T
+            delta = (b.to(dtype or torch.float32) @ a.to(dtype or torch.float32)).T
             if tied_embeddings:
                 raise ValueError(
                     f"lora_mode='merged': the adapter in {path} has a LoRA on {module.split('.')[-1]}, the input "

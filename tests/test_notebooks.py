@@ -29,7 +29,7 @@ TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4
 HF = {**TINY, "engine": "hf"}
 SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
 NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color", "pin_cpus",
-                 "staleness_ks", "corrections", "n_rows", "brevity_weight"}
+                 "staleness_ks", "corrections", "n_rows", "brevity_weight", "sample_version"}
 """Parameters that are not config fields; every other parameter name must be one."""
 
 pytestmark = pytest.mark.timeout(900)
@@ -149,6 +149,7 @@ def test_inspect_run_redraws_a_finished_run(quickstart, tmp_path):
     assert len(outputs(nb, "application/vnd.plotly.v1+json")) == len(figures.FIGURES)
     assert f"{TINY['iterations']} of {TINY['iterations']} iterations, finished" in stdout(nb)
     assert any("completion" in html for html in outputs(nb, "text/html")), "no samples table"
+    assert f"version {TINY['iterations']} of [" in stdout(nb)  # sampled from the latest version
 
 
 @pytest.mark.slow
