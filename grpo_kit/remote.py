@@ -181,7 +181,7 @@ def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: l
     extra = {"environments": [lv.env for lv in lives], "env_reward": [lv.ep.env_reward for lv in lives],
              "episodes": [r["episode"] for r in rows]}
     conversational = bool(problems) and problems[0].conversational
-    completions = [(r["episode"]["messages"] or r["text"]) if conversational else r["text"] for r in rows]
+    completions = [(r["episode"].get("messages") or r["text"]) if conversational else r["text"] for r in rows]
     log = log if log is not None else RewardLog(len(rows))
     scores = scorer.score_problems(problems, completions, extra, completion_ids=[r["completion_ids"] for r in rows],
                                    state=state, log=log)
@@ -285,7 +285,7 @@ def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: S
     probs = [Problem(**p) for p in problems]
     rows = result["rollouts"]
     log = RewardLog(len(rows))
-    state = scorer.progress(rows[0]["iteration"] or 0, rows[0]["version"]) if rows else None
+    state = scorer.progress(rows[0].get("iteration") or 0, rows[0].get("version")) if rows else None
     stamp(rows, scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows],
                                       completion_ids=[r["completion_ids"] for r in rows], state=state, log=log), log)
     result["reward_metrics"] = log.metrics

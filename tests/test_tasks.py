@@ -521,6 +521,25 @@ CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1, "n_reward_worke
 """The ``client`` fixture's cluster (conftest.py): scoring on a reward worker of its own."""
 
 
+def _conversational_arithmetic() -> Task:
+    """A TRL conversational dataset (system message included) and rewards written as TRL's docs
+    write them, plus TRL's shipped think_format_reward, for the end-to-end run below."""
+    from trl.rewards import think_format_reward
+
+    rows = [{"prompt": [{"role": "system", "content": "Add the numbers."},
+                        {"role": "user", "content": f"What is {a} + {b}?"}], "solution": str(a + b)}
+            for a in range(100, 140) for b in range(200, 202)]
+
+    def correct(completions, solution, trainer_state, log_extra, log_metric, **kwargs):
+        texts = [completion[0]["content"] for completion in completions]
+        log_metric("step", trainer_state.global_step)  # reaches the record of that iteration
+        log_extra("marked", ["####" in t for t in texts])
+        return [1.0 if f"#### {s}" in t else 0.0 for t, s in zip(texts, solution, strict=True)]
+
+    return tasks.from_rows(rows, [correct, think_format_reward], name="conv-add", weights=[1.0, 0.1],
+                           instruction="Give the final answer as '#### <integer>'.")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
 @pytest.mark.parametrize(
@@ -529,18 +548,50 @@ CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1, "n_reward_worke
         ("gsm8k", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),
         ("math", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),  # math-verify on GSM8K's gold numbers
         ("code", "smollm2-135m", {"max_model_len": 1024}),  # HumanEval's prompts are long in the tiny model's tokens
+        ("conversational", "tiny", {"iterations": 2, "eval_every": 2}),  # a TRL dataset and rewards, unchanged
     ],
 )
 def test_builtin_tasks_train_through_the_dask_loop(task, model, extra, client, tmp_path):
-    cfg = config.profile("tiny", model=model, task=task, engine="hf", iterations=1, eval_every=1, eval_size=2,
-                         prompts_per_step=2, group_size=2, max_new_tokens=24, train_size=64,
-                         run_dir=str(tmp_path / "run"), collective_timeout_s=60, **extra)
-    res = loop.run(cfg, client, progress=False)
-    [rec] = res.records
-    assert rec["reward_errors"] == 0 and rec["reward_workers"] == 1
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["task"]["name"] == task
+    obj = _conversational_arithmetic() if task == "conversational" else None
+    kw = {"engine": "hf", "iterations": 1, "eval_every": 1, "eval_size": 2, "prompts_per_step": 2, "group_size": 2,
+          "max_new_tokens": 24, "train_size": 64, "run_dir": str(tmp_path / "run"), "collective_timeout_s": 60, **extra}
+    cfg = config.profile("tiny", model=model, **({} if obj else {"task": task}), **kw)
+    res = loop.run(cfg, client, progress=False, task=obj)
+    assert [r["iteration"] for r in res.records] == list(range(cfg.run.iterations))
+    for rec in res.records:
+        assert rec["reward_errors"] == 0 and rec["reward_workers"] == 1
+    name = obj.name if obj else task
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["task"]["name"] == name
     rows = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and all(r["reward_reason"] for r in rows)
-    prefix = {"gsm8k": "gsm8k-train-", "math": "gsm8k-train-", "code": "humaneval-"}[task]
+    assert len(rows) == 4 * cfg.run.iterations and all(r["reward_reason"] for r in rows)
+    prefix = {"gsm8k": "gsm8k-train-", "math": "gsm8k-train-", "code": "humaneval-", "conversational": "conv-add-train-"}[task]
     assert all(r["prompt_id"].startswith(prefix) for r in rows), rows[0]["prompt_id"]
     assert res.summary["acc_after"] is not None
+    if obj:
+        _check_conversational_run(obj, res, rows, tmp_path / "run")
+
+
+def _check_conversational_run(task, res, rows, run_dir):
+    """The conversation was the prompt (its plain rendering's tokens: the tiny model has no chat
+    template), trainer_state's step and log_metric reached each iteration's record, log_extra each
+    completion's row, the samples and the report."""
+    from transformers import AutoTokenizer
+
+    from grpo_kit import report, tiny
+    from grpo_kit.prompts import PromptFormat
+
+    assert [r["reward_metrics"] for r in res.records] == [{"step": 0.0}, {"step": 1.0}]
+    assert all(set(r["reward_components"]) == {"correct", "think_format_reward"} for r in res.records)
+    tok = AutoTokenizer.from_pretrained(tiny.ensure_tiny_model())
+    fmt = PromptFormat(instruction=task.instruction)
+    convs = {p.id: p.messages for split in ("train", "heldout") for p in task.load(split, 100)}
+    for r in rows:
+        assert r["prompt_tokens"] == len(fmt.encode(tok, convs[r["prompt_id"]]))
+        assert r["reward_extra"] == {"marked": "####" in r["text"]}
+        a, b = (int(x) for x in convs[r["prompt_id"]][-1]["content"].removeprefix("What is ").rstrip("?").split(" + "))
+        assert r["reward_components"]["correct"] == float(f"#### {a + b}" in r["text"])
+        assert r["reward_components"]["think_format_reward"] == 0.0  # the tiny model writes no <think> block
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["extra"] == {"marked": "####" in s["completion"]} for s in samples)
+    page = report.write_report(run_dir).read_text()
+    assert '<section id="reward-metrics">' in page and '<tr data-key="step">' in page
