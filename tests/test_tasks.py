@@ -153,8 +153,13 @@ def test_trl_accuracy_and_think_format_rewards_run_unchanged_on_conversational_r
              "<think>\nthree\n</think>\nSo $\\boxed{3}$",  # wrong, well formed
              "no think tag: $\\boxed{\\frac{1}{2}}$",  # right (0.5 = 1/2), not formed
              "<think>\nx\n</think>\n$\\boxed{1}$"]  # a gold math-verify cannot parse
-    out = task.scorer().score_problems(probs, texts)
+    log = tasks.RewardLog(4)
+    out = task.scorer().score_problems(probs, texts, log=log)
     assert [s.components["accuracy"] for s in out] == [1.0, 0.0, 1.0, None]  # None: TRL skips the row
+    # accuracy_reward logs its parses with log_extra, as it does for TRL's completions table
+    assert log.extra["solution"] == [r["solution"] for r in rows]
+    assert log.extra["gold_parsed"][3] == "[unparseable]" and log.extra["answer_parsed"][3] == "[skipped]"
+    assert "3" in log.extra["answer_parsed"][1] and log.metrics == {}
     assert [s.components["format"] for s in out] == [1.0, 1.0, 0.0, 1.0]
     assert [s.reward for s in out] == [1.5, 0.5, 1.0, 0.5]
     assert [s.correct for s in out] == [True, False, True, False]
