@@ -397,6 +397,8 @@ def test_a_trl_dataset_needs_no_mapping(tmp_path):
     mapped = tasks.from_rows([{"q": "Say hi", "a": "hi"}], _const(1.0), question="q", gold="a",
                              heldout_fraction=0).load("train", 1)[0]
     assert (mapped.question, mapped.gold, mapped.messages) == ("Say hi", "hi", None)
+    with pytest.raises(KeyError, match="no 'prompt' column.*question=.*'q'"):
+        tasks.from_rows([{"q": "Say hi"}], _const(1.0))
 
 
 @pytest.mark.parametrize(

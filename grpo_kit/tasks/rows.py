@@ -135,6 +135,9 @@ def _problems(rows: list[dict], name: str, split: str, question: str | None, gol
     if not rows:
         raise ValueError(f"task {name!r}: no {split} rows")
     have = set(rows[0])
+    if question is None and "prompt" not in have and "question" not in have:
+        raise KeyError(f"task {name!r} ({split} rows): no 'prompt' column (TRL's) nor 'question'; name the prompt "
+                       f"column with question=; the rows have {sorted(have)}")
     if question is None:
         question = "prompt" if "prompt" in have else "question"
     if gold is None and "gold" in have:
