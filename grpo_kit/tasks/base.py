@@ -212,10 +212,11 @@ class RewardLog:
             return  # a function that timed out, still running
         if not isinstance(column, str) or not column:
             raise TypeError(f"log_extra: the column name must be a non-empty string, got {column!r:.40}")
-        if isinstance(values, str | bytes) or not isinstance(values, Sequence) or len(values) != self.n:
-            got = f"{len(values)} values" if isinstance(values, Sequence) else type(values).__name__
+        sized = hasattr(values, "__len__") and hasattr(values, "__iter__") and not isinstance(values, str | bytes | dict)
+        if not sized or len(values) != self.n:  # a list, a tuple, an array
+            got = f"{len(values)} values" if sized else type(values).__name__
             raise ValueError(f"log_extra({column!r}): expected a list of {self.n} values (one per completion), got {got}")
-        self.extra[column] = [_jsonable(v) for v in values]
+        self.extra[column] = [_jsonable(v.item() if hasattr(v, "item") and not isinstance(v, dict) else v) for v in values]
 
     def log_metric(self, name: str, value: float) -> None:
         """Log one number for the batch (TRL's ``log_metric``)."""
