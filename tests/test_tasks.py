@@ -581,10 +581,10 @@ def test_builtin_tasks_train_through_the_dask_loop(task, model, extra, client, t
 def _check_conversational_run(task, res, rows, run_dir):
     """The conversation was the prompt (its plain rendering's tokens: the tiny model has no chat
     template), trainer_state's step and log_metric reached each iteration's record, log_extra each
-    completion's row, the samples and the report."""
+    completion's row and the samples."""
     from transformers import AutoTokenizer
 
-    from grpo_kit import report, tiny
+    from grpo_kit import tiny
     from grpo_kit.prompts import PromptFormat
 
     assert [r["reward_metrics"] for r in res.records] == [{"step": 0.0}, {"step": 1.0}]
@@ -600,5 +600,4 @@ def _check_conversational_run(task, res, rows, run_dir):
         assert r["reward_components"]["think_format_reward"] == 0.0  # the tiny model writes no <think> block
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["extra"] == {"marked": "####" in s["completion"]} for s in samples)
-    page = report.write_report(run_dir).read_text()
-    assert '<section id="reward-metrics">' in page and '<tr data-key="step">' in page
+    # the report renders these records and samples: tests/test_report.py
