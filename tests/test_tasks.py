@@ -555,8 +555,7 @@ def _conversational_arithmetic() -> Task:
         ("gsm8k", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),
         ("math", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),  # math-verify on GSM8K's gold numbers
         ("code", "smollm2-135m", {"max_model_len": 1024}),  # HumanEval's prompts are long in the tiny model's tokens
-        # a TRL dataset and rewards, unchanged (no evaluation: 4 s less; eval_task scores as reward_task does)
-        ("conversational", "tiny", {"iterations": 2, "eval_every": 0}),
+        ("conversational", "tiny", {"iterations": 2, "eval_every": 2}),  # a TRL dataset and rewards, unchanged
     ],
 )
 def test_builtin_tasks_train_through_the_dask_loop(task, model, extra, client, tmp_path):
