@@ -46,10 +46,57 @@ class Problem:
     columns: dict = field(default_factory=dict, hash=False)
     """The row's other columns (a code problem's ``test`` and ``entry_point``, ...): passed to the
     task's reward functions by name, TRL-style. JSON-serializable values only."""
+    messages: list[dict] | None = field(default=None, hash=False)
+    """A conversational prompt (TRL's conversational format: ``{"role", "content"}`` messages, a
+    system message included), rendered as it is by :mod:`grpo_kit.prompts`; its rewards get the
+    conversation as ``prompts`` and each completion as ``[{"role": "assistant", "content": ...}]``.
+    ``question`` is then its last user message (ids, samples, held-out hashing). None: a text prompt."""
+
+    def __post_init__(self) -> None:
+        if self.messages is not None:
+            check_messages(self.messages)
+
+    @property
+    def conversational(self) -> bool:
+        """Whether the prompt is a conversation (:attr:`messages`), as TRL's ``is_conversational`` decides."""
+        return self.messages is not None
 
     @property
     def prompt(self) -> str:
         return format_prompt(self.question)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a conversational prompt's messages may take."""
+
+
+def check_messages(messages) -> None:
+    """Raise ``ValueError`` unless ``messages`` is a conversational prompt: a non-empty list of
+    dicts, each with a ``role`` of :data:`ROLES` and a string ``content``, with a user message whose
+    text is not empty.
+
+    >>> check_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}])
+    >>> check_messages([{"role": "robot", "content": "hi"}])
+    Traceback (most recent call last):
+    ...
+    ValueError: message 0: unknown role 'robot' (expected one of system, user, assistant, tool)
+    """
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError(f"a conversational prompt must be a non-empty list of messages, got {messages!r:.80}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"message {i}: expected a dict with 'role' and 'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"message {i}: unknown role {m['role']!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"message {i}: content must be a string (multimodal content blocks are not "
+                             f"supported), got {type(m['content']).__name__}")
+    users = [m for m in messages if m["role"] == "user"]
+    if not users:
+        raise ValueError("a conversational prompt needs a user message; it has roles "
+                         f"{[m['role'] for m in messages]}")
+    if not users[-1]["content"].strip():
+        raise ValueError("the conversation's last user message is empty")
 
 
 def format_prompt(question: str, instruction: str = DEFAULT_INSTRUCTION) -> str:

@@ -8,7 +8,8 @@ ids for the tool answers and the next assistant header, tokenized once (``mask``
 
 Environments and tools follow TRL's ``environment_factory`` / ``tools=`` contract
 (:mod:`grpo_kit.tools`): one environment instance per episode, ``reset(**row)`` with the problem's
-row (``prompt`` = the question, ``gold``, ``id`` and the problem's ``columns``) whose text, when not
+row (``prompt`` = the question, or the conversation of a conversational prompt, ``gold``, ``id``
+and the problem's ``columns``) whose text, when not
 None, is appended to the user message; its public methods are tools beside the standalone ones;
 ``get_reward()``, when defined, scores the finished episode (:attr:`Episode.env_reward`).
 
@@ -40,7 +41,7 @@ from typing import Any, Protocol
 
 from . import data
 from .config import EpisodeConfig
-from .prompts import PromptFormat
+from .prompts import PromptFormat, prompt_of
 from .renderers import PrefixError, Renderer, decode
 from .rollout import Continuation, Rollout
 from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
@@ -229,7 +230,7 @@ def counts(episodes: Sequence[Episode]) -> dict[str, int]:
 
 def problem_row(p: data.Problem) -> dict[str, Any]:
     """The keyword arguments of ``reset``: the problem as a TRL dataset row."""
-    return {"prompt": p.question, "gold": p.gold, "id": p.id, **p.columns}
+    return {"prompt": prompt_of(p), "gold": p.gold, "id": p.id, **p.columns}
 
 
 @dataclass
@@ -274,7 +275,7 @@ class EpisodeRunner:
         box = ToolBox(self.tools + (environment_tools(env) if env is not None else []),
                       timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls)
         live = Live(ep, env, box, box.schemas())
-        ep.messages = self.fmt.messages(p.question)
+        ep.messages = self.fmt.messages(prompt_of(p))  # a conversational prompt as it is
         if env is not None:
             try:
                 obs = env.reset(**problem_row(p))

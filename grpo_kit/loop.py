@@ -179,7 +179,7 @@ def run(
 
         heldout_d = [remote.problem_dict(p) for p in heldout]
         driver = _Driver(cfg, client, store, gang, train_pool, heldout_d, state, metrics_path, samples_path,
-                         list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s), EpisodePlan.of(task, cfg))
+                         list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s, max_steps=cfg.run.iterations), EpisodePlan.of(task, cfg))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
         driver.trackers = tracking
         driver.eval_sets = {n: (more_heldout[n], t.scorer(cfg.reward.reward_timeout_s)) for n, t in more_sets.items()}

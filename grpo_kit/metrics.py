@@ -104,6 +104,7 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
             "train_lenient_acc": sum(bool(r.lenient_correct) for r in rollouts) / max(1, n_rollouts),
             "reward_components": component_means(rollouts),
             "reward_errors": sum(r.reward_errors for r in rollouts),
+            "reward_metrics": reward_metric_means(results),
             "reward_s": sum(res["reward_end"] - res["reward_start"] for res in results),
             "reward_workers": len({res["reward_worker"] for res in results}),
             "eval_acc": None,
@@ -201,6 +202,16 @@ def component_means(rollouts: list[RolloutSummary]) -> dict:
         vals = [r.reward_components[name] for r in rollouts if r.reward_components and r.reward_components.get(name) is not None]
         out[name] = sum(vals) / len(vals) if vals else None
     return out
+
+
+def reward_metric_means(results: list[dict]) -> dict[str, float]:
+    """Each ``log_metric`` name's mean over every value the reward functions logged for the batch's
+    chunks (all dynamic-sampling rounds; TRL averages the same way over a logging step)."""
+    values: dict[str, list[float]] = {}
+    for res in results:
+        for name, vs in (res.get("reward_metrics") or {}).items():
+            values.setdefault(name, []).extend(vs)
+    return {name: sum(vs) / len(vs) for name, vs in values.items() if vs}
 
 
 def finite(x):

@@ -8,6 +8,14 @@ token ids) scores exactly the prompt that was sampled from.
   (SmolLM2's ChatML template inserts "You are a helpful AI assistant named SmolLM...").
 - Plain models (the tiny model has no template): ``Question: <question>\\n<instruction>\\nAnswer:\\n``,
   the template the tiny model was pretrained on.
+- Conversational prompts (a problem's ``messages``, TRL's conversational format): the conversation
+  as it is, rendered with the chat template and ``add_generation_prompt=True`` (as TRL renders it);
+  a non-empty ``instruction`` is appended to its last user message, and ``system_prompt`` is added
+  only to a conversation that has no system message of its own. Without a template the conversation
+  is written in the plain format (:meth:`PromptFormat.plain`): each user message as the plain prompt
+  of that question (the instruction after the last one only), a system message's text as a line
+  before it, an assistant message's text as a line after its ``Answer:``, a tool message as
+  ``Result: ...``. A conversation of one user message renders exactly as the text prompt of that question.
 - Stops: a completion ends at the model's EOS (kept as its last token, with its log-prob) or at the
   first configured stop string. For a stop string the completion keeps the tokens up to and
   including the one that completes it (their sampling log-probs unchanged: the cut only drops
@@ -45,19 +53,54 @@ class PromptFormat:
             raise ValueError("chat_template='always' but the tokenizer has no chat template")
         return has and self.chat_template != "never"
 
-    def messages(self, question: str) -> list[dict]:
-        msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
-        return msgs + [{"role": "user", "content": f"{question.strip()}\n{self.instruction}".strip()}]
+    def messages(self, prompt: str | Sequence[dict]) -> list[dict]:
+        """The chat messages of a question (text) or of a conversation (copied; module docstring)."""
+        if isinstance(prompt, str):
+            msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+            return msgs + [{"role": "user", "content": f"{prompt.strip()}\n{self.instruction}".strip()}]
+        data.check_messages(prompt)
+        msgs = [dict(m) for m in prompt]
+        if self.instruction.strip():
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "user")
+            msgs[last]["content"] = f"{msgs[last]['content'].strip()}\n{self.instruction}"
+        if self.system_prompt is not None and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
 
-    def render(self, tokenizer, question: str) -> str:
-        """The prompt as text."""
+    def plain(self, conversation: Sequence[dict]) -> str:
+        """A conversation in the plain format (module docstring).
+
+        >>> PromptFormat(instruction="Be brief.").plain([{"role": "user", "content": "2+2?"}]) == \\
+        ...     data.format_prompt("2+2?", "Be brief.")
+        True
+        """
+        data.check_messages(conversation)
+        last = max(i for i, m in enumerate(conversation) if m["role"] == "user")
+        out = []
+        for i, m in enumerate(conversation):
+            text = m["content"].strip()
+            if m["role"] == "user":
+                out.append(data.format_prompt(text, self.instruction if i == last else ""))
+            elif m["role"] == "tool":
+                out.append(f"Result: {text}\n")
+            else:  # system: a line before; assistant: its text after the ``Answer:`` line
+                out.append(f"{text}\n")
+        return "".join(out)
+
+    def render(self, tokenizer, prompt: str | Sequence[dict]) -> str:
+        """The prompt as text: a question (text) or a conversation (messages)."""
         if self.uses_chat(tokenizer):
-            return tokenizer.apply_chat_template(self.messages(question), add_generation_prompt=True, tokenize=False)
-        return data.format_prompt(question, self.instruction)
+            return tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True, tokenize=False)
+        return data.format_prompt(prompt, self.instruction) if isinstance(prompt, str) else self.plain(prompt)
 
-    def encode(self, tokenizer, question: str) -> list[int]:
+    def encode(self, tokenizer, prompt: str | Sequence[dict]) -> list[int]:
         """The prompt's token ids (the rendered text carries any special tokens itself)."""
-        return list(tokenizer.encode(self.render(tokenizer, question), add_special_tokens=False))
+        return list(tokenizer.encode(self.render(tokenizer, prompt), add_special_tokens=False))
+
+
+def prompt_of(p: data.Problem) -> str | list[dict]:
+    """What a problem's prompt is rendered from: its conversation, or else its question."""
+    return p.messages if p.messages is not None else p.question
 
 
 def encode_prompts(tokenizer, problems: Sequence[data.Problem], max_new_tokens: int, max_len: int,
@@ -66,7 +109,7 @@ def encode_prompts(tokenizer, problems: Sequence[data.Problem], max_new_tokens: 
     fmt = fmt or PromptFormat()
     out = []
     for p in problems:
-        ids = fmt.encode(tokenizer, p.question)
+        ids = fmt.encode(tokenizer, prompt_of(p))
         if not ids:
             raise ValueError(f"problem {p.id!r}: the prompt tokenizes to nothing")
         if len(ids) + max_new_tokens > max_len:

@@ -131,6 +131,8 @@ class Sample(TypedDict):
     """The adapter version that generated it."""
     episode: NotRequired[EpisodeAccount]
     """A multi-turn completion's episode (absent for a single-turn one)."""
+    extra: NotRequired[dict]
+    """What the reward functions logged for it with ``log_extra`` (column -> value; absent when nothing was)."""
 
 
 class MetricsRecord(TypedDict, total=False):
@@ -158,6 +160,9 @@ class MetricsRecord(TypedDict, total=False):
     """Each reward function's batch mean (unweighted; over the completions where it applied)."""
     reward_errors: int
     """Completions a reward function failed on (raised, timed out, returned a non-score)."""
+    reward_metrics: dict[str, float]
+    """What the reward functions logged with ``log_metric`` (TRL's): each name's mean over the values
+    logged for the batch (``{}`` when none were)."""
     reward_s: float
     """Seconds the reward tasks spent scoring, summed over chunks."""
     reward_workers: int
@@ -350,6 +355,8 @@ def samples_of(iteration: int, rollouts: Sequence[RolloutSummary]) -> list[Sampl
                           "gold": r.gold, "version": r.version}
         if r.episode is not None:
             sample["episode"] = r.episode
+        if r.reward_extra:
+            sample["extra"] = r.reward_extra
         out.append(sample)
     return out
 

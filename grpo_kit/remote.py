@@ -33,7 +33,7 @@ from .episode import EpisodePlan, to_rollout
 from .passk import sampled_metrics
 from .renderers import for_engine
 from .rollout import RolloutSummary, build_engine, engine_options
-from .tasks import Scorer
+from .tasks import RewardLog, Scorer, TrainingProgress
 from .trainer import warm
 
 if TYPE_CHECKING:
@@ -157,10 +157,13 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
             probs, n, version, seed=seed, iteration=iteration, group_offset=group_offset)
         t1 = time.time()
         rows = [to_rollout(lv.ep).to_dict() for lv in lives]
+        log = RewardLog(len(rows))
         if scorer is not None:
-            score_episodes(scorer, [probs[lv.ep.group_id - group_offset] for lv in lives], lives, rows)
+            score_episodes(scorer, [probs[lv.ep.group_id - group_offset] for lv in lives], lives, rows,
+                           state=scorer.progress(iteration, version), log=log)
         return {"rollouts": rows, "start": t0, "end": t1, "worker": get_worker().address, "scored": scorer is not None,
-                "reward_start": t1, "reward_end": time.time(), "reward_worker": get_worker().address}
+                "reward_start": t1, "reward_end": time.time(), "reward_worker": get_worker().address,
+                "reward_metrics": log.metrics}
     outs = engine.generate(probs, n, version, max_new_tokens=max_new_tokens, temperature=temperature,
                            seed=seed, group_offset=group_offset)
     for r in outs:
@@ -168,26 +171,34 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
     return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
 
 
-def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: list[dict]) -> list:
+def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: list[dict], *,
+                   state: TrainingProgress | None = None, log: RewardLog | None = None) -> list:
     """Score finished episodes with the task's reward functions: ``completions`` are the final
-    answers, ``completion_ids`` each episode's tokens after its first prompt (tool results
-    included; its ``mask`` marks the sampled ones), and the columns ``environments`` (the live
-    instances), ``env_reward`` and ``episodes`` come beside the problems' (:mod:`grpo_kit.tasks.base`).
+    answers (for conversational prompts, as TRL gives tool episodes, the messages after the prompt),
+    ``completion_ids`` each episode's tokens after its first prompt (tool results included; its
+    ``mask`` marks the sampled ones), and the columns ``environments`` (the live instances),
+    ``env_reward`` and ``episodes`` come beside the problems' (:mod:`grpo_kit.tasks.base`).
     Stamps ``rows`` like :func:`reward_task`."""
     extra = {"environments": [lv.env for lv in lives], "env_reward": [lv.ep.env_reward for lv in lives],
              "episodes": [r["episode"] for r in rows]}
-    scores = scorer.score_problems(problems, [r["text"] for r in rows], extra,
-                                   completion_ids=[r["completion_ids"] for r in rows])
-    stamp(rows, scores)
+    conversational = bool(problems) and problems[0].conversational
+    completions = [(r["episode"].get("messages") or r["text"]) if conversational else r["text"] for r in rows]
+    log = log if log is not None else RewardLog(len(rows))
+    scores = scorer.score_problems(problems, completions, extra, completion_ids=[r["completion_ids"] for r in rows],
+                                   state=state, log=log)
+    stamp(rows, scores, log)
     return scores
 
 
-def stamp(rows: list[dict], scores: list) -> None:
-    """Write each :class:`~grpo_kit.tasks.Score` into its rollout row."""
-    for r, sc in zip(rows, scores, strict=True):
+def stamp(rows: list[dict], scores: list, log: RewardLog | None = None) -> None:
+    """Write each :class:`~grpo_kit.tasks.Score` into its rollout row, and what the reward functions
+    logged for it with ``log_extra`` (``reward_extra``)."""
+    for i, (r, sc) in enumerate(zip(rows, scores, strict=True)):
         r["reward"], r["reward_reason"] = sc.reward, sc.reason
         r["correct"], r["lenient_correct"] = sc.correct, sc.lenient_correct
         r["reward_components"], r["reward_errors"] = sc.components, sc.errors
+        if log is not None and log.extra:
+            r["reward_extra"] = log.row(i)
 
 
 WARM_PROBLEM = Problem(id="warm-up", question="1 + 1 = ?", gold="2")
@@ -274,8 +285,11 @@ def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: S
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     rows = result["rollouts"]
+    log = RewardLog(len(rows))
+    state = scorer.progress(rows[0].get("iteration") or 0, rows[0].get("version")) if rows else None
     stamp(rows, scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows],
-                                      completion_ids=[r["completion_ids"] for r in rows]))
+                                      completion_ids=[r["completion_ids"] for r in rows], state=state, log=log), log)
+    result["reward_metrics"] = log.metrics
     result["reward_start"], result["reward_end"] = t0, time.time()
     result["reward_worker"] = get_worker().address
     return result
@@ -306,14 +320,15 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         lives = episodes.runner(engine, for_engine(engine), 0.0).play(probs, 1, version)
         outs = [to_rollout(lv.ep) for lv in lives]
         rows = [r.to_dict() for r in outs]
-        results = score_episodes(scorer, probs, lives, rows)
+        results = score_episodes(scorer, probs, lives, rows, state=scorer.progress(version, version, "eval"))
         eps = [lv.ep for lv in lives]
         extra = {"tool_rate": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
                  "turns_mean": sum(e.turns for e in eps) / max(1, len(eps)),
                  "tool_errors": sum(sum(e.tool_errors.values()) for e in eps)}
     else:
         outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
-        results = scorer.score_problems(probs, [r.text for r in outs], completion_ids=[r.completion_ids for r in outs])
+        results = scorer.score_problems(probs, [r.text for r in outs], completion_ids=[r.completion_ids for r in outs],
+                                        state=scorer.progress(version, version, "eval"))
     if samples:
         extra.update(sampled_eval(_engine(), probs, version, max_new_tokens, scorer, episodes, samples, temperature, seed))
     correct = [res.correct for res in results]
@@ -338,11 +353,13 @@ def sampled_eval(engine, probs: list[Problem], version: int, max_new_tokens: int
     if episodes is not None:
         lives = episodes.runner(engine, for_engine(engine), temperature).play(probs, samples, version, seed=seed)
         outs = [to_rollout(lv.ep) for lv in lives]
-        scores = score_episodes(scorer, [probs[r.group_id] for r in outs], lives, [r.to_dict() for r in outs])
+        scores = score_episodes(scorer, [probs[r.group_id] for r in outs], lives, [r.to_dict() for r in outs],
+                                state=scorer.progress(version, version, "eval"))
     else:
         outs = engine.generate(probs, samples, version, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         scores = scorer.score_problems([probs[r.group_id] for r in outs], [r.text for r in outs],
-                                       completion_ids=[r.completion_ids for r in outs])
+                                       completion_ids=[r.completion_ids for r in outs],
+                                       state=scorer.progress(version, version, "eval"))
     where = [(r.group_id, r.sample_idx) for r in outs]
     if sorted(where) != [(g, j) for g in range(len(probs)) for j in range(samples)]:
         raise RuntimeError(f"sampled evaluation: expected {samples} samples of each of {len(probs)} problems")
@@ -420,4 +437,5 @@ class TaskRetries:
 
 
 def problem_dict(p: Problem) -> dict:
-    return {"id": p.id, "question": p.question, "gold": p.gold, "solution": None, "columns": dict(p.columns)}
+    return {"id": p.id, "question": p.question, "gold": p.gold, "solution": None, "columns": dict(p.columns),
+            "messages": p.messages}

@@ -3,7 +3,8 @@
 It holds every figure of :data:`grpo_kit.figures.FIGURES` (and, for a multi-turn run, of
 :data:`~grpo_kit.figures.EPISODE_FIGURES`), the run's headline numbers (:func:`final_numbers`, and
 ``summary.json``), a few sampled completions (a multi-turn one as its conversation, the environment's
-turns set apart from the model's) and ``config.json``. Everything a policy or an environment wrote is
+turns set apart from the model's; each with what the reward functions logged for it, ``log_extra``),
+the reward functions' ``log_metric`` values (:func:`reward_metrics`) and ``config.json``. Everything a policy or an environment wrote is
 escaped: a completion is hostile text.
 """
 
@@ -178,7 +179,33 @@ def _episode_html(ep: Mapping[str, Any]) -> str:
 
 def _completion_html(s: Record) -> str:
     ep = s.get("episode")
-    return _episode_html(ep) if isinstance(ep, Mapping) else f"<pre>{html.escape(_clip(s.get('completion')))}</pre>"
+    body = _episode_html(ep) if isinstance(ep, Mapping) else f"<pre>{html.escape(_clip(s.get('completion')))}</pre>"
+    extra = s.get("extra")
+    if isinstance(extra, Mapping) and extra:  # what the reward functions logged for it (log_extra)
+        body += f'<div class="logged">{_table({k: _clip(v, 500) if isinstance(v, str) else v for k, v in extra.items()}, "extra")}</div>'
+    return body
+
+
+def reward_metrics(records: Sequence[Record]) -> dict[str, dict[str, Any]]:
+    """What the reward functions logged with ``log_metric``: per name, its final value, its mean
+    over the iterations that logged it, and how many did."""
+    out: dict[str, list[float]] = {}
+    for r in records:
+        for name, v in (r.get("reward_metrics") or {}).items():
+            if number(v) is not None:
+                out.setdefault(str(name), []).append(number(v))
+    return {name: {"final": vs[-1], "mean": sum(vs) / len(vs), "iterations": len(vs)} for name, vs in out.items()}
+
+
+def _metrics_html(records: Sequence[Record]) -> str:
+    rows = reward_metrics(records)
+    if not rows:
+        return '<p class="none">none logged</p>'
+    body = "".join(f'<tr data-key="{html.escape(k)}"><th>{html.escape(k)}</th>'
+                   + "".join(f'<td class="num">{html.escape(format_number(v[c]))}</td>' for c in ("final", "mean", "iterations"))
+                   + "</tr>" for k, v in rows.items())
+    return ('<table class="reward-metrics"><thead><tr><th>name</th><th>final</th><th>mean</th><th>iterations</th>'
+            f"</tr></thead><tbody>{body}</tbody></table>")
 
 
 def _samples_html(samples: Sequence[Record], n: int) -> str:
@@ -217,6 +244,7 @@ pre { margin: 0; white-space: pre-wrap; word-break: break-word; font-size: 13px;
 .turn-env { border-color: #b8860b; background: #fbf6e9; margin-left: 28px; }
 .turn .who { font-size: 11px; color: #666; text-transform: uppercase; letter-spacing: 0.04em; }
 .ep-error { color: #b00020; font-size: 12px; margin: 0 0 6px; }
+.logged { margin-top: 6px; font-size: 12px; } .logged th { color: #666; font-weight: normal; }
 """
 
 
@@ -255,6 +283,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
 <div><h3>from the metrics</h3>{_table(final_numbers(records), "numbers")}</div>
 <div><h3>summary.json</h3>{_table(run["summary"], "numbers summary")}</div></div></section>
 {"".join(sections)}
+<section id="reward-metrics"><h2>Reward functions' metrics (log_metric)</h2>{_metrics_html(records)}</section>
 <section id="samples"><h2>Sampled completions</h2>{_samples_html(run["samples"], n_samples)}</section>
 <section id="config"><h2>Configuration</h2><pre>{html.escape(json.dumps(run["config"], indent=2, sort_keys=True))}</pre></section>
 </main></body></html>

@@ -51,6 +51,9 @@ class Scored:
     """Each reward function's score (by component name; None where it did not apply or failed)."""
     reward_errors: int = 0
     """Reward functions that raised, timed out or returned garbage for this completion (scored 0)."""
+    reward_extra: dict | None = None
+    """What the reward functions logged for this completion with ``log_extra`` (column -> value,
+    TRL's completions-table columns; :mod:`grpo_kit.tasks.base`). None: nothing logged."""
     iteration: int | None = None
     """Training iteration the rollout was generated for (set by the loop)."""
     episode: dict | None = None
@@ -106,7 +109,7 @@ class Rollout(Scored):
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
-        for k in ("mask", "episode"):
+        for k in ("mask", "episode", "reward_extra"):
             if d[k] is None:
                 del d[k]
         for k in TOKEN_FIELDS:

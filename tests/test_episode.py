@@ -14,6 +14,7 @@ import torch
 
 from grpo_kit import data, models, tiny
 from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed, to_rollout
+from grpo_kit.prompts import PromptFormat
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation, HFEngine
 from grpo_kit.testing import CallEveryTurn, Notes, assert_aligned, policy
@@ -282,6 +283,30 @@ def test_a_trl_environment_plugs_in_unchanged(smol_tok):
         assert "Start from 0." in ep.messages[1]["content"]  # reset's text joins the user message
         assert [m["role"] for m in ep.messages[-5:]] == ["assistant", "tool", "assistant", "tool", "assistant"]
         assert smol_tok.decode(ep.stream).count("<|im_start|>tool\n") == 2
+
+
+def test_a_conversational_prompt_starts_the_episode_as_it_is(smol_tok):
+    """A TRL conversational row: its messages (system included) open the episode, and ``reset``
+    gets them as ``prompt``, as TRL passes the row."""
+    rows = []
+
+    class Recorder(Counter):
+        def reset(self, **kwargs):
+            rows.append(kwargs)
+            return super().reset(**kwargs)
+
+    conv = [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count to 1."}]
+    p = data.Problem("c0", "Count to 1.", "1", messages=conv)
+    engine = FakeEngine(smol_tok, lambda text, turn: call(1) if turn == 0 else "#### 1")
+    (ep,) = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Recorder,
+                          prompt_format=PromptFormat(instruction="")).run([p], 1)
+    assert rows[0]["prompt"] == conv and rows[0]["gold"] == "1"
+    # the row's system message, the tools described after it (SmolLM2's template ignores tools=)
+    assert ep.messages[0]["content"].startswith("You count.\n\nYou can call these tools")
+    assert ep.messages[1]["content"] == "Count to 1. Start from 0."
+    assert smol_tok.decode(ep.prompt_ids).startswith("<|im_start|>system\nYou count.")  # not the template's default
+    assert (ep.end_reason, ep.env_reward) == ("answered", 1.0)
+    assert conv == [{"role": "system", "content": "You count."}, {"role": "user", "content": "Count to 1."}]  # untouched
 
 
 def test_stopping_rules_and_errors(smol_tok):

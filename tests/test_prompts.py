@@ -55,6 +55,57 @@ def test_chat_prompt_on_smollm2(smol_tok):
         PromptFormat(chat_template="sometimes")
 
 
+CONVERSATION = [{"role": "system", "content": "You are a careful calculator."},
+                {"role": "user", "content": "What is 2 + 3?"}]
+"""A TRL conversational prompt, its own system message included."""
+
+
+def test_conversational_prompt_is_rendered_as_it_is_by_the_chat_template(smol_tok):
+    """As TRL renders it: the messages through the template, with the generation prompt; the
+    conversation's system message replaces the template's default, and the kit's own settings only
+    fill in what the conversation lacks."""
+    expected = smol_tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=False)
+    assert PromptFormat(instruction="").render(smol_tok, CONVERSATION) == expected == (
+        "<|im_start|>system\nYou are a careful calculator.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    # the conversation's own system message wins; an instruction goes after the last user message
+    fmt = PromptFormat(instruction="Reply as '#### <n>'.", system_prompt="ignored: the rows have one")
+    assert fmt.render(smol_tok, CONVERSATION) == expected.replace("2 + 3?<|im_end|>", "2 + 3?\nReply as '#### <n>'.<|im_end|>")
+    assert fmt.messages(CONVERSATION[1:])[0] == {"role": "system", "content": "ignored: the rows have one"}
+    assert CONVERSATION[1]["content"] == "What is 2 + 3?"  # the row itself is not touched
+    p = data.Problem("c", "What is 2 + 3?", "5", messages=CONVERSATION)
+    assert encode_prompts(smol_tok, [p], 8, 256, PromptFormat(instruction="")) == [
+        smol_tok.encode(expected, add_special_tokens=False)]
+
+
+def test_conversational_prompt_in_the_plain_format(tiny_tok):
+    fmt = PromptFormat(instruction="Be brief.")
+    one = [{"role": "user", "content": "What is 2 + 3?"}]
+    assert fmt.render(tiny_tok, one) == fmt.render(tiny_tok, "What is 2 + 3?")  # one user message: the text prompt
+    few_shot = [*CONVERSATION[:1], {"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "#### 2"},
+                *CONVERSATION[1:]]
+    assert fmt.render(tiny_tok, few_shot) == ("You are a careful calculator.\nQuestion: 1 + 1?\n\nAnswer:\n#### 2\n"
+                                              "Question: What is 2 + 3?\nBe brief.\nAnswer:\n")
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ([], "non-empty list"),  # nothing to render
+        ("What is 2 + 3?", "non-empty list"),  # text is not a conversation (Problem.question holds text)
+        ([{"content": "hi"}], "message 0: expected a dict with 'role' and 'content'"),
+        (["hi"], "message 0: expected a dict"),
+        ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "content must be a string"),  # multimodal
+        ([{"role": "system", "content": "Be brief."}], "needs a user message"),
+        ([{"role": "user", "content": "  "}], "last user message is empty"),
+    ],
+)
+def test_malformed_conversations_are_refused(bad, why):
+    with pytest.raises(ValueError, match=why):
+        data.Problem("c", "q", "1", messages=bad)
+
+
 def test_encode_prompts_rejects_prompts_without_room(smol_tok):
     probs = data.synthetic_problems(2, split="heldout", n_digits=2)
     ids = encode_prompts(smol_tok, probs, 16, 256, PromptFormat())

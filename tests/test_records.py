@@ -4,6 +4,7 @@ and reading a run directory caught mid-write."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 
@@ -149,6 +150,8 @@ def test_samples_of_keeps_three_spread_over_the_batch():
     assert [s["episode"]["messages"][1]["content"] for s in picked] == ["noted 0", "noted 2", "noted 4"]
     assert not {k for s in picked for k in s} - records.schema_keys()
     json.dumps(picked)
+    logged = [dataclasses.replace(_summary(i), reward_extra={"marked": i % 2 == 0}) for i in range(3)]
+    assert [s["extra"] for s in records.samples_of(2, logged)] == [{"marked": True}, {"marked": False}, {"marked": True}]
 
 
 def test_run_files():

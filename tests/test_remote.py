@@ -76,6 +76,33 @@ def test_reward_task_passes_each_rollouts_completion_ids_to_the_rewards(monkeypa
     assert out["reward_worker"] == "in-process"
 
 
+def test_reward_task_on_conversational_rows_passes_trls_forms_state_and_logs(monkeypatch):
+    """A conversational chunk: prompts as the conversations, completions as assistant messages,
+    ``trainer_state`` from the chunk's iteration and version; what ``log_extra`` logs lands in each
+    row, what ``log_metric`` logs in the chunk (which the driver's record averages)."""
+    from grpo_kit.data import Problem
+    from grpo_kit.tasks import Scorer
+
+    seen = {}
+
+    def r(prompts, completions, trainer_state, log_extra, log_metric, **kwargs):
+        seen.update(prompts=prompts, completions=completions, state=trainer_state)
+        log_extra("chars", [len(c[0]["content"]) for c in completions])
+        log_metric("calls", 1.0)
+        return [1.0] * len(completions)
+
+    monkeypatch.setattr(remote, "get_worker", lambda: SimpleNamespace(address="in-process"))
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q?"}]
+    problems = [remote.problem_dict(Problem(id="p", question="q?", gold="1", messages=conv))]
+    rows = [{"group_id": 0, "text": t, "completion_ids": [1], "iteration": 7, "version": 5} for t in ("ab", "c")]
+    out = remote.reward_task({"rollouts": rows}, problems, 0, Scorer([r], [1.0], ["r"], max_steps=9))
+    assert seen["prompts"] == [conv, conv]
+    assert seen["completions"] == [[{"role": "assistant", "content": "ab"}], [{"role": "assistant", "content": "c"}]]
+    assert (seen["state"].global_step, seen["state"].max_steps, seen["state"].version, seen["state"].mode) == (7, 9, 5, "train")
+    assert [row["reward_extra"] for row in out["rollouts"]] == [{"chars": 2}, {"chars": 1}]
+    assert out["reward_metrics"] == {"calls": [1.0]}
+
+
 def test_score_episodes_passes_each_episodes_completion_ids_beside_the_environments():
     from grpo_kit.data import Problem
     from grpo_kit.tasks import Scorer
@@ -92,6 +119,21 @@ def test_score_episodes_passes_each_episodes_completion_ids_beside_the_environme
     scores = remote.score_episodes(Scorer([r], [1.0], ["n"]), probs, lives, rows)
     assert seen == {"ids": [[1, 2, 3, 4], [5]], "envs": ["env0", "env1"], "env_reward": [0.0, 0.5]}
     assert [s.reward for s in scores] == [4.0, 1.0] == [row["reward"] for row in rows]
+    # a conversational prompt: each episode's messages after the prompt, as TRL gives tool episodes
+    # (an episode that broke before a turn: its text as the assistant message)
+    turns = [{"role": "assistant", "content": "<tool_call>x</tool_call>"}, {"role": "tool", "name": "f", "content": "4"},
+             {"role": "assistant", "content": "#### 4"}]
+    rows = [{"text": "#### 4", "completion_ids": [1], "episode": {"messages": turns}},
+            {"text": "", "completion_ids": [], "episode": {"messages": []}}]
+    conv = [Problem(id="p", question="q", gold="4", messages=[{"role": "user", "content": "q"}])] * 2
+
+    def last(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions)
+        return [float(c[-1]["content"] == "#### 4") for c in completions]
+
+    scores = remote.score_episodes(Scorer([last], [1.0], ["last"]), conv, lives, rows)
+    assert seen["completions"] == [turns, [{"role": "assistant", "content": ""}]]
+    assert seen["prompts"] == [[{"role": "user", "content": "q"}]] * 2 and [s.reward for s in scores] == [1.0, 0.0]
 
 
 def test_sampled_eval_plays_k_episodes_per_problem_for_a_multi_turn_task():

@@ -108,6 +108,29 @@ def test_an_episode_s_hostile_tool_name_error_and_long_conversation_are_escaped_
     assert samples.count('class="turn ') == report.EPISODE_MAX_MESSAGES and "20 more messages" in samples
 
 
+def test_what_reward_functions_logged_is_in_the_report(tmp_path, written):
+    """``log_metric`` values: a table of each name's final and mean value; ``log_extra`` columns:
+    under each sampled completion, escaped (a reward may log the policy's text)."""
+    assert '<section id="reward-metrics">' in written[2] and "none logged" in written[2]  # a run without any
+    make_run(tmp_path, 4, partial_last_line=False)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(recs):
+        r["reward_metrics"] = {"progress": i / 4, **({"judge_s": 2.0} if i == 3 else {})}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    samples = [{"iteration": 3, "prompt": "p", "completion": "c", "reward": 1.0, "gold": "1",
+                "extra": {"marked": True, "quote": NASTY}}]
+    (tmp_path / "samples.jsonl").write_text(json.dumps(samples[0]) + "\n")
+    text = report.write_report(tmp_path).read_text(encoding="utf-8")
+    assert report.reward_metrics(recs) == {"progress": {"final": 0.75, "mean": 0.375, "iterations": 4},
+                                           "judge_s": {"final": 2.0, "mean": 2.0, "iterations": 1}}
+    table = text.split('<section id="reward-metrics">')[1].split("</section>")[0]
+    assert re.search(r'data-key="progress"><th>progress</th><td class="num">0\.75</td><td class="num">0\.375</td>'
+                     r'<td class="num">4</td>', table)
+    logged = text.split('<section id="samples">')[1]
+    assert re.search(r'data-key="marked"><th>marked</th><td>true</td>', logged)
+    assert html_escape(NASTY) in logged and "<script>alert" not in text
+
+
 @pytest.mark.parametrize(
     "value, text",
     [

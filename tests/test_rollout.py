@@ -78,8 +78,8 @@ def test_summary_is_the_record_without_its_tokens():
     Rollout and not to RolloutSummary fails here, not mid-run)."""
     r = Rollout("add-1-2", 3, 1, [5, 6, 9], [7, 1], [-0.5, -0.25], 2, "length", "#### 3", "3", reward=1.0, iteration=4)
     d = json.loads(json.dumps(RolloutSummary.of(r.to_dict())))
-    # a single-turn record has no episode (the field is not serialized when None)
-    assert set(d) == ({f.name for f in dataclasses.fields(Rollout)} - set(TOKEN_FIELDS) - {"episode"}) | {"prompt_tokens", "completion_tokens"}
+    # a single-turn record has no episode, one whose rewards logged nothing no reward_extra (not serialized when None)
+    assert set(d) == ({f.name for f in dataclasses.fields(Rollout)} - set(TOKEN_FIELDS) - {"episode", "reward_extra"}) | {"prompt_tokens", "completion_tokens"}
     s = RolloutSummary.from_dict(d)
     assert (s.prompt_tokens, s.completion_tokens, s.reward, s.text, s.truncated) == (3, 2, 1.0, "#### 3", True)
     assert RolloutSummary.from_dict(s.to_dict()) == s

@@ -3,6 +3,7 @@ notebook-style task and reward run end to end through the Dask loop (real LocalC
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -142,29 +143,50 @@ def _msg(text):
     return [{"role": "assistant", "content": text}]
 
 
-def test_trl_accuracy_and_think_format_rewards_score_as_in_trl():
-    """TRL's shipped rewards, unchanged. In trl 1.16.0 both read ``completion[0]["content"]``, i.e.
-    they take conversational completions only, so they are given those here (the kit's rows give
-    text completions; conversational rows are still open, issue 25)."""
+def _conversation(question, system="Think first, then answer in \\boxed{}."):
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def test_trl_accuracy_and_think_format_rewards_run_unchanged_on_conversational_rows():
+    """TRL's shipped rewards, unchanged, on a TRL conversational dataset taken as it is (no
+    mapping): in trl 1.16.0 both read ``completion[0]["content"]``, which the scorer's
+    conversational completions give; the engine's texts go in as they come out."""
     from trl.rewards import accuracy_reward, think_format_reward
 
-    completions = [_msg("<think>\nhalf\n</think>\nSo $\\boxed{\\frac{1}{2}}$"),  # right, well formed
-                   _msg("<think>\nthree\n</think>\nSo $\\boxed{3}$"),  # wrong, well formed
-                   _msg("no think tag: $\\boxed{\\frac{1}{2}}$"),  # right, not formed
-                   _msg("<think>\nx\n</think>\n$\\boxed{1}$")]  # a gold math-verify cannot parse
-    solution = ["$\\frac{1}{2}$", "$\\frac{1}{2}$", "$0.5$", "no answer here"]
-    prompts = ["half?", "half?", "half?", "?"]
-    sc = Scorer([accuracy_reward, think_format_reward], [1.0, 0.5], ["accuracy", "format"])
-    out = sc.score(prompts, completions, {"solution": solution})
+    rows = [{"prompt": _conversation("half?"), "solution": "$\\frac{1}{2}$"},
+            {"prompt": _conversation("half?"), "solution": "$\\frac{1}{2}$"},
+            {"prompt": _conversation("half?"), "solution": "$0.5$"},
+            {"prompt": _conversation("?"), "solution": "no answer here"}]
+    task = tasks.from_rows(rows, [accuracy_reward, think_format_reward], heldout_fraction=0)
+    task = tasks.Task(task.name, task.problems, task.rewards, weights=[1.0, 0.5], names=["accuracy", "format"])
+    probs = task.load("train", 4)
+    probs = sorted(probs, key=lambda p: p.id)
+    texts = ["<think>\nhalf\n</think>\nSo $\\boxed{\\frac{1}{2}}$",  # right, well formed
+             "<think>\nthree\n</think>\nSo $\\boxed{3}$",  # wrong, well formed
+             "no think tag: $\\boxed{\\frac{1}{2}}$",  # right (0.5 = 1/2), not formed
+             "<think>\nx\n</think>\n$\\boxed{1}$"]  # a gold math-verify cannot parse
+    log = tasks.RewardLog(4)
+    out = task.scorer().score_problems(probs, texts, log=log)
     assert [s.components["accuracy"] for s in out] == [1.0, 0.0, 1.0, None]  # None: TRL skips the row
+    # accuracy_reward logs its parses with log_extra, as it does for TRL's completions table
+    assert log.extra["solution"] == [r["solution"] for r in rows]
+    assert log.extra["gold_parsed"][3] == "[unparseable]" and log.extra["answer_parsed"][3] == "[skipped]"
+    assert "3" in log.extra["answer_parsed"][1] and log.metrics == {}
     assert [s.components["format"] for s in out] == [1.0, 1.0, 0.0, 1.0]
     assert [s.reward for s in out] == [1.5, 0.5, 1.0, 0.5]
     assert [s.correct for s in out] == [True, False, True, False]
     assert all(s.errors == 0 for s in out), [s.reason for s in out]
-    # the same figures as TRL's own call (grpo_trainer's _calculate_rewards: keywords only)
+    # the same figures as TRL's own call (grpo_trainer's _calculate_rewards: keywords only, prompts the
+    # conversations, completions [{"role": "assistant", "content": text}])
+    prompts = [r["prompt"] for r in rows]
+    completions = [[{"role": "assistant", "content": t}] for t in texts]
     for fn, name in ((accuracy_reward, "accuracy"), (think_format_reward, "format")):
-        assert fn(prompts=prompts, completions=completions, completion_ids=None, solution=solution) == \
-            [s.components[name] for s in out]
+        assert fn(prompts=prompts, completions=completions, completion_ids=None,
+                  solution=[r["solution"] for r in rows]) == [s.components[name] for s in out]
+    # on text rows the same rewards fail (TRL's do too: they index completion[0]["content"]), recorded
+    text_task = tasks.from_rows([{"prompt": "half?", "solution": "$0.5$"}], [accuracy_reward], heldout_fraction=0)
+    [s] = text_task.scorer().score_problems(text_task.load("train", 1), ["$\\boxed{0.5}$"])
+    assert s.errors == 1 and "raised TypeError" in s.reason
 
 
 def test_trl_length_and_repetition_rewards_read_the_completion_ids():
@@ -199,6 +221,56 @@ def test_rewards_written_as_trl_and_unsloth_docs_write_them():
     assert [s.components["correct"] for s in out] == [2.0, 0.0]
     assert [s.components["len"] for s in out] == [-17.0, -5.0]
     assert seen == {"prompts": ["q0", "q1"], "answer": ["0", "1"], "ids": [[5], [6, 7]]}
+
+
+def _extract_xml_answer(text: str) -> str:  # Unsloth's GRPO notebook
+    return text.split("<answer>")[-1].split("</answer>")[0].strip()
+
+
+def unsloth_correctness(prompts, completions, answer, **kwargs) -> list[float]:  # Unsloth's, verbatim in form
+    responses = [completion[0]["content"] for completion in completions]
+    q = prompts[0][-1]["content"]
+    assert isinstance(q, str)
+    extracted = [_extract_xml_answer(r) for r in responses]
+    return [2.0 if r == a else 0.0 for r, a in zip(extracted, answer, strict=True)]
+
+
+def trl_format_reward(completions, **kwargs):  # TRL's GRPOTrainer docs, conversational
+    import re
+
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    contents = [completion[0]["content"] for completion in completions]
+    return [1.0 if re.match(pattern, c) else 0.0 for c in contents]
+
+
+@pytest.mark.parametrize("form", ["text", "conversational"])
+def test_docs_rewards_and_the_kits_own_on_both_row_formats(form):
+    """Each row format gets completions in its own form (text, or TRL's messages); the docs' rewards
+    written for that form score right, and the kit's own rewards (hash_reward) take either."""
+    from grpo_kit.tasks.gsm8k import hash_reward
+
+    prompt = (lambda q: _conversation(q)) if form == "conversational" else (lambda q: q)
+    rows = [{"prompt": prompt(f"{a} + 2?"), "answer": str(a + 2)} for a in range(3)]
+    rewards = [unsloth_correctness, trl_format_reward] if form == "conversational" else \
+        [_by_answer, lambda completions, **kw: [-abs(20 - len(c)) for c in completions]]
+    task = tasks.from_rows(rows, [*rewards, hash_reward], gold="answer", heldout_fraction=0)
+    probs = sorted(task.load("train", 3), key=lambda p: p.id)
+    texts = ["<think>2+0</think><answer>2</answer>", "<think>no</think><answer>4</answer> #### 3", "#### 4"]
+    out = task.scorer().score_problems(probs, texts)
+    assert all(s.errors == 0 for s in out), [s.reason for s in out]
+    comps = [list(s.components.values()) for s in out]
+    if form == "conversational":
+        assert [c[0] for c in comps] == [2.0, 0.0, 0.0]  # <answer> is 2 (right), 4 (wrong), none
+        assert [c[1] for c in comps] == [1.0, 0.0, 0.0]  # the trailing text breaks the second's format
+    else:
+        assert [c[0] for c in comps] == [1.0, 0.0, 0.0]
+        assert [c[1] for c in comps] == [-abs(20 - len(t)) for t in texts]
+    assert [c[2] for c in comps] == [0.0, 1.0, 1.0]  # hash_reward: "#### <gold>" for golds 2, 3, 4
+
+
+def _by_answer(prompts, completions, answer, **kwargs):  # a text-row reward reading the column by name
+    assert all(isinstance(p, str) for p in prompts) and all(isinstance(c, str) for c in completions)
+    return [float(_extract_xml_answer(c) == a) for c, a in zip(completions, answer, strict=True)]
 
 
 def test_kit_rewards_in_the_old_positional_form_still_bind():
@@ -299,6 +371,126 @@ def test_from_rows_rejects_empty_questions():
         tasks.from_rows([{"question": "a", "gold": 1}, {"question": "", "gold": 2}], _const(1.0))
 
 
+def test_a_trl_dataset_needs_no_mapping(tmp_path):
+    """TRL's formats as they are: a ``prompt`` column of text or of conversations (a system message
+    included), any other columns by name; from a list, a JSONL file and a datasets.Dataset, whose
+    Arrow structs fill a message's missing keys with None (dropped again here)."""
+    import datasets
+
+    rows = [{"prompt": _conversation(f"What is {i} + 1?"), "solution": str(i + 1), "level": i} for i in range(20)]
+    rows[3]["prompt"] = [*rows[3]["prompt"], {"role": "assistant", "content": "Let me see.", "name": "helper"}]
+    path = tmp_path / "trl.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    built = [tasks.from_rows(src, _const(1.0), heldout_fraction=0.25)
+             for src in (rows, str(path), datasets.Dataset.from_list(rows))]
+    loads = [t.load("train", 100) + t.load("heldout", 100) for t in built]
+    assert loads[0] == loads[1] == loads[2]  # the None-filled keys dropped: the same problems
+    by_id = {p.id: p for p in loads[0]}
+    p0, p3 = by_id["custom-train-0"], by_id["custom-train-3"]
+    assert p0.messages == rows[0]["prompt"] and p0.question == "What is 0 + 1?" and p0.gold == ""
+    assert p0.columns == {"solution": "1", "level": 0}  # every column but the prompt, by name; no gold column
+    assert p3.messages[-1] == {"role": "assistant", "content": "Let me see.", "name": "helper"}
+    assert p3.question == "What is 3 + 1?"  # the last user message
+    assert built[0].load("heldout", 100)  # the held-out split hashes whole conversations
+    seen = {}
+
+    def reward(prompts, completions, solution, **kw):
+        seen.update(prompts=prompts, completions=completions, solution=solution, kw=set(kw))
+        return [0.0] * len(completions)
+
+    built[0].rewards[0] = reward
+    built[0].scorer().score_problems([p0], ["2"])
+    assert seen["prompts"] == [rows[0]["prompt"]] and seen["completions"] == [[{"role": "assistant", "content": "2"}]]
+    assert seen["solution"] == ["1"] and seen["kw"] == {"completion_ids", "gold", "level", "trainer_state",
+                                                        "log_extra", "log_metric"}
+    # standard (text) rows: the prompt column by TRL's name, and the old mapping still works
+    text = tasks.from_rows([{"prompt": "Say hi", "gold": "hi"}], _const(1.0), heldout_fraction=0).load("train", 1)[0]
+    assert (text.question, text.gold, text.messages, text.columns) == ("Say hi", "hi", None, {})
+    mapped = tasks.from_rows([{"q": "Say hi", "a": "hi"}], _const(1.0), question="q", gold="a",
+                             heldout_fraction=0).load("train", 1)[0]
+    assert (mapped.question, mapped.gold, mapped.messages) == ("Say hi", "hi", None)
+    with pytest.raises(KeyError, match="no 'prompt' column.*question=.*'q'"):
+        tasks.from_rows([{"q": "Say hi"}], _const(1.0))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "why"),
+    [
+        ([], "row 1.*non-empty list"),  # an empty conversation
+        ([{"role": "user"}], "row 1.*expected a dict with 'role' and 'content'"),
+        ([{"role": "narrator", "content": "x"}], "row 1.*unknown role 'narrator'"),
+        ([{"role": "system", "content": "x"}], "row 1.*needs a user message"),
+        ("What is 1 + 1?", "row 1.*expected a list of messages"),  # text after a conversation in row 0
+    ],
+)
+def test_malformed_trl_rows_are_refused_naming_the_row(prompt, why):
+    rows = [{"prompt": _conversation("What is 2 + 2?")}, {"prompt": prompt}]
+    with pytest.raises(ValueError, match=why):
+        tasks.from_rows(rows, _const(1.0))
+    if isinstance(prompt, list) and prompt:  # and a conversation after text in row 0
+        with pytest.raises(ValueError, match="row 1.*conversation but row 0's is text"):
+            tasks.from_rows([{"prompt": "What is 2 + 2?"}, {"prompt": prompt}], _const(1.0))
+
+
+# ----------------------------------------------------------------------------- trainer_state, log_extra, log_metric
+
+
+def test_trainer_state_log_extra_and_log_metric_as_trl_passes_them():
+    states = []
+
+    def schedule(completions, trainer_state, log_extra, log_metric, **kw):  # reads the step, logs both ways
+        states.append(trainer_state)
+        log_extra("length", [len(c) for c in completions])
+        log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
+        log_metric("progress", 1.0)  # twice in a batch: both values count in the mean
+        return [1.0] * len(completions)
+
+    def logs_then_raises(completions, log_extra, log_metric, **kw):  # a failed function logs nothing
+        log_metric("lost", 5.0)
+        log_extra("lost", [1] * len(completions))
+        raise RuntimeError("after logging")
+
+    def bad_log(completions, log_extra, **kw):
+        log_extra("short", [1])  # not one value per completion: this function fails, with the reason
+        return [1.0] * len(completions)
+
+    def odd_values(completions, log_extra, log_metric, **kw):
+        log_extra("objs", [object(), float("nan")])  # not JSON: kept as str; NaN: None
+        log_metric("nan", float("nan"))  # not a finite number: the function fails
+        return [1.0] * len(completions)
+
+    sc = tasks.Task("t", lambda *a: _problems(), [schedule, logs_then_raises, bad_log, odd_values]).scorer(max_steps=10)
+    log = tasks.RewardLog(2)
+    out = sc.score_problems(_problems(2), ["ab", "abc"], state=sc.progress(4, version=3), log=log)
+    assert states == [tasks.TrainingProgress(global_step=4, max_steps=10, version=3, mode="train")]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        states[0].global_step = 5
+    assert log.extra == {"length": [2, 3]} and log.metrics == {"progress": [0.4, 1.0]}
+    assert [log.row(i) for i in range(2)] == [{"length": 2}, {"length": 3}]
+    assert out[0].errors == 3 and "logs_then_raises: raised RuntimeError" in out[0].reason
+    assert out[0].components == {"schedule": 1.0, "logs_then_raises": None, "bad_log": None, "odd_values": None}
+    solo = tasks.Task("t", lambda *a: _problems(), [bad_log]).scorer().score_problems(_problems(2), ["a", "b"])
+    assert "log_extra('short'): expected a list of 2 values (one per completion), got 1 values" in solo[0].reason
+    quiet = tasks.RewardLog(2)
+    odd = tasks.Task("t", lambda *a: _problems(), [odd_values]).scorer().score_problems(_problems(2), ["a", "b"], log=quiet)
+    assert "log_metric('nan')" in odd[0].reason and quiet.extra == {}
+    quiet.log_extra("objs", [object(), float("nan")])
+    assert quiet.extra["objs"][0].startswith("<object object") and quiet.extra["objs"][1] is None
+    # outside a run: step 0, no max_steps
+    seen = []
+    Scorer([lambda completions, trainer_state, **kw: seen.append(trainer_state) or [0.0]], [1.0], ["s"]).score(
+        ["q"], ["x"], {})
+    assert seen == [tasks.TrainingProgress(0, None, None, "train")]
+
+
+def test_reward_metric_means_average_every_logged_value():
+    from grpo_kit.metrics import reward_metric_means
+
+    chunks = [{"reward_metrics": {"a": [1.0, 2.0], "b": [4.0]}}, {"reward_metrics": {"a": [6.0]}}, {}]
+    assert reward_metric_means(chunks) == {"a": 3.0, "b": 4.0}  # TRL: sum / count over the logging step
+    assert reward_metric_means([{"reward_metrics": {}}]) == {}
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -356,6 +548,25 @@ CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1, "n_reward_worke
 """The ``client`` fixture's cluster (conftest.py): scoring on a reward worker of its own."""
 
 
+def _conversational_arithmetic() -> Task:
+    """A TRL conversational dataset (system message included) and rewards written as TRL's docs
+    write them, plus TRL's shipped think_format_reward, for the end-to-end run below."""
+    from trl.rewards import think_format_reward
+
+    rows = [{"prompt": [{"role": "system", "content": "Add the numbers."},
+                        {"role": "user", "content": f"What is {a} + {b}?"}], "solution": str(a + b)}
+            for a in range(100, 140) for b in range(200, 202)]
+
+    def correct(completions, solution, trainer_state, log_extra, log_metric, **kwargs):
+        texts = [completion[0]["content"] for completion in completions]
+        log_metric("step", trainer_state.global_step)  # reaches the record of that iteration
+        log_extra("marked", ["####" in t for t in texts])
+        return [1.0 if f"#### {s}" in t else 0.0 for t, s in zip(texts, solution, strict=True)]
+
+    return tasks.from_rows(rows, [correct, think_format_reward], name="conv-add", weights=[1.0, 0.1],
+                           instruction="Give the final answer as '#### <integer>'.")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not GSM8K_DIR.is_dir(), reason="needs ../shared/data/gsm8k")
 @pytest.mark.parametrize(
@@ -364,18 +575,49 @@ CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1, "n_reward_worke
         ("gsm8k", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),
         ("math", "tiny", {"dataset": str(GSM8K_DIR), "max_model_len": 512}),  # math-verify on GSM8K's gold numbers
         ("code", "smollm2-135m", {"max_model_len": 1024}),  # HumanEval's prompts are long in the tiny model's tokens
+        ("conversational", "tiny", {"iterations": 2, "eval_every": 2}),  # a TRL dataset and rewards, unchanged
     ],
 )
 def test_builtin_tasks_train_through_the_dask_loop(task, model, extra, client, tmp_path):
-    cfg = config.profile("tiny", model=model, task=task, engine="hf", iterations=1, eval_every=1, eval_size=2,
-                         prompts_per_step=2, group_size=2, max_new_tokens=24, train_size=64,
-                         run_dir=str(tmp_path / "run"), collective_timeout_s=60, **extra)
-    res = loop.run(cfg, client, progress=False)
-    [rec] = res.records
-    assert rec["reward_errors"] == 0 and rec["reward_workers"] == 1
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["task"]["name"] == task
+    obj = _conversational_arithmetic() if task == "conversational" else None
+    kw = {"engine": "hf", "iterations": 1, "eval_every": 1, "eval_size": 2, "prompts_per_step": 2, "group_size": 2,
+          "max_new_tokens": 24, "train_size": 64, "run_dir": str(tmp_path / "run"), "collective_timeout_s": 60, **extra}
+    cfg = config.profile("tiny", model=model, **({} if obj else {"task": task}), **kw)
+    res = loop.run(cfg, client, progress=False, task=obj)
+    assert [r["iteration"] for r in res.records] == list(range(cfg.run.iterations))
+    for rec in res.records:
+        assert rec["reward_errors"] == 0 and rec["reward_workers"] == 1
+    name = obj.name if obj else task
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["task"]["name"] == name
     rows = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rows) == 4 and all(r["reward_reason"] for r in rows)
-    prefix = {"gsm8k": "gsm8k-train-", "math": "gsm8k-train-", "code": "humaneval-"}[task]
+    assert len(rows) == 4 * cfg.run.iterations and all(r["reward_reason"] for r in rows)
+    prefix = {"gsm8k": "gsm8k-train-", "math": "gsm8k-train-", "code": "humaneval-", "conversational": "conv-add-train-"}[task]
     assert all(r["prompt_id"].startswith(prefix) for r in rows), rows[0]["prompt_id"]
-    assert res.summary["acc_after"] is not None
+    assert (res.summary["acc_after"] is not None) == bool(cfg.run.eval_every)
+    if obj:
+        _check_conversational_run(obj, res, rows, tmp_path / "run")
+
+
+def _check_conversational_run(task, res, rows, run_dir):
+    """The conversation was the prompt (its plain rendering's tokens: the tiny model has no chat
+    template), trainer_state's step and log_metric reached each iteration's record, log_extra each
+    completion's row and the samples."""
+    from tokenizers import Tokenizer  # the tiny model's own, without importing transformers here (30 s)
+
+    from grpo_kit import tiny
+    from grpo_kit.prompts import PromptFormat
+
+    assert [r["reward_metrics"] for r in res.records] == [{"step": 0.0}, {"step": 1.0}]
+    assert all(set(r["reward_components"]) == {"correct", "think_format_reward"} for r in res.records)
+    tok = Tokenizer.from_file(str(tiny.ensure_tiny_model() / "tokenizer.json"))
+    fmt = PromptFormat(instruction=task.instruction)
+    convs = {p.id: p.messages for split in ("train", "heldout") for p in task.load(split, 100)}
+    for r in rows:  # the system message's line included
+        assert r["prompt_tokens"] == len(tok.encode(fmt.plain(convs[r["prompt_id"]]), add_special_tokens=False).ids)
+        assert r["reward_extra"] == {"marked": "####" in r["text"]}
+        a, b = (int(x) for x in convs[r["prompt_id"]][-1]["content"].removeprefix("What is ").rstrip("?").split(" + "))
+        assert r["reward_components"]["correct"] == float(f"#### {a + b}" in r["text"])
+        assert r["reward_components"]["think_format_reward"] == 0.0  # the tiny model writes no <think> block
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["extra"] == {"marked": "####" in s["completion"]} for s in samples)
+    # the report renders these records and samples: tests/test_report.py

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-from .base import RewardFn, Score, Scorer, Task, problem_columns, reward_name
+from .base import RewardFn, RewardLog, Score, Scorer, Task, TrainingProgress, problem_columns, reward_name, text_of
 from .rows import from_rows
 
 BUILTIN = {
@@ -32,8 +32,8 @@ BUILTIN = {
     "guess_number": "grpo_kit.tasks.guess:task",
 }
 
-__all__ = ["BUILTIN", "RewardFn", "Score", "Scorer", "Task", "for_config", "from_rows", "load_callable",
-           "problem_columns", "resolve", "reward_name"]
+__all__ = ["BUILTIN", "RewardFn", "RewardLog", "Score", "Scorer", "Task", "TrainingProgress", "for_config", "from_rows",
+           "load_callable", "problem_columns", "resolve", "reward_name", "text_of"]
 
 
 def load_callable(spec: str):

@@ -13,17 +13,43 @@ has no token ids), and ``gold`` plus every column of the problems' ``columns`` d
 each as a list aligned with ``completions``. So ``def r(prompts, completions, **kwargs)``,
 ``def r(completions, answer, **kwargs)`` (TRL's and Unsloth's docs) and ``def r(completion_ids,
 **kwargs)`` (TRL's length and repetition rewards) all bind; functions should accept ``**kwargs`` for
-the arguments they ignore. A function may be ``async def`` (it is awaited, as TRL does). Not passed
-yet (issue 25): TRL's ``trainer_state``, ``log_extra`` and ``log_metric``; those names, like
-``prompts``, ``completions`` and ``completion_ids``, are reserved and a column so named is refused.
-A function may return :class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a
-parsed value, a reason and its own correctness rule. ``None`` means "does not apply" and counts 0.
+the arguments they ignore. A function may be ``async def`` (it is awaited, as TRL does). TRL's three
+other keywords come too:
+
+- ``trainer_state``: a :class:`TrainingProgress` (frozen): ``global_step`` (the iteration whose batch
+  is scored, i.e. the optimizer steps before the one that trains on it), ``max_steps`` (the run's
+  iterations), ``version`` (the adapter version that sampled the completions; with pipelining it
+  can lag ``global_step``) and ``mode`` (``"train"`` or ``"eval"``; in evaluation ``global_step``
+  is the evaluated version). It is not transformers' ``TrainerState``: ``epoch``, ``log_history``
+  and the rest are not there (reading one raises, and that function's batch scores 0 with the reason).
+- ``log_extra(column, values)``: one value per completion of the batch, kept in each completion's
+  ``reward_extra`` (``rollouts.jsonl``, the samples in ``samples.jsonl`` and the report), as TRL
+  adds them to its completions table. A column logged twice in a batch keeps the last values.
+- ``log_metric(name, value)``: one finite number for the batch; the record's ``reward_metrics[name]``
+  is the mean of the values logged for the iteration's batch (TRL averages over a logging step), and
+  the report lists them. What a function logs counts only when it returns a score list (a function
+  that raises or times out logs nothing); values logged in evaluation are not recorded.
+
+Those names, like ``prompts``, ``completions`` and ``completion_ids`` (:data:`RESERVED`), are
+reserved and a column so named is refused. A function may return
+:class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a parsed value, a reason and
+its own correctness rule. ``None`` means "does not apply" and counts 0.
+
+Conversational prompts (a problem's ``messages``, TRL's conversational format; see
+:func:`~grpo_kit.tasks.rows.from_rows`): as TRL decides it from the first prompt of the batch,
+``prompts`` are then the conversations (lists of messages) and each completion is a list of messages,
+``[{"role": "assistant", "content": text}]``, so ``completion[0]["content"]`` (TRL's shipped rewards,
+its docs' and Unsloth's) reads the text; the kit's own rewards take either form (:func:`text_of`).
 
 Multi-turn tasks: a task with ``tools`` (plain functions, TRL's ``tools=``) or an
 ``environment_factory`` (a class, TRL's ``environment_factory=``) trains on episodes
 (:mod:`grpo_kit.episode`, limits in ``Config.episode``). Their reward functions run on the rollout
 worker right after the episodes end, called the same way: ``completions`` are the final
-assistant messages' texts, and three more columns come beside the problem's: ``environments`` (each
+assistant messages' texts for text prompts, and for conversational prompts, as TRL gives tool
+episodes, the messages after the prompt (``{"role": "assistant", "content"}`` for each model turn,
+``{"role": "tool", "name", "content"}`` for each tool answer; unlike TRL's, an assistant message's
+content is the turn's text with its tool-call markup, and there is no parsed ``tool_calls`` key).
+Three more columns come beside the problem's: ``environments`` (each
 episode's live environment instance, as TRL passes them; None without a factory), ``env_reward``
 (each environment's ``get_reward()``, None where it has none or it raised) and ``episodes`` (each
 episode's account: turns, tool calls and errors, end reason, token counts, the conversation; see
@@ -42,6 +68,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,8 +82,7 @@ RewardFn = Callable[..., Sequence[Any]]
 (called with keywords, as TRL calls reward functions)."""
 
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
-"""Argument names of TRL's reward call; no column may take one (``trainer_state``, ``log_extra`` and
-``log_metric`` are not passed yet, but reserved so a TRL function never reads a column for them)."""
+"""Argument names of TRL's reward call, all passed (module docstring); no column may take one."""
 
 SPLITS = ("train", "heldout")
 
@@ -133,12 +159,12 @@ class Task:
             raise TypeError(f"task {self.name!r}: problems must be grpo_kit.data.Problem, got {type(bad[0]).__name__}")
         return out[:n]
 
-    def scorer(self, timeout_s: float = 60.0) -> Scorer:
+    def scorer(self, timeout_s: float = 60.0, max_steps: int | None = None) -> Scorer:
         names = list(self.names) if self.names is not None else [getattr(f, "__name__", f"reward{i}") for i, f in enumerate(self.rewards)]
         if len(set(names)) != len(names):
             names = [f"{n}_{i}" for i, n in enumerate(names)]
         weights = list(self.weights) if self.weights is not None else [1.0] * len(self.rewards)
-        return Scorer(list(self.rewards), weights, names, self.correct_at, timeout_s)
+        return Scorer(list(self.rewards), weights, names, self.correct_at, timeout_s, max_steps)
 
     def describe(self) -> dict:
         """What ``config.json`` records about the task."""
@@ -150,6 +176,92 @@ class Task:
                        tool_parser=self.tool_parser if isinstance(self.tool_parser, str | None) else reward_name(type(self.tool_parser)),
                        environment=reward_name(self.environment_factory) if self.environment_factory else None)
         return out
+
+
+@dataclass(frozen=True)
+class TrainingProgress:
+    """What reward functions get as ``trainer_state`` (TRL passes transformers' ``TrainerState``):
+    where the run is, as far as the kit knows it where the rewards run."""
+
+    global_step: int
+    """The iteration whose batch is scored: the optimizer steps before the one that trains on it
+    (TRL's ``global_step`` when it generates). In evaluation: the evaluated adapter version."""
+    max_steps: int | None = None
+    """The run's iterations (``RunConfig.iterations``); None outside a run."""
+    version: int | None = None
+    """The adapter version that sampled the completions (0: the base model)."""
+    mode: str = "train"
+    """``"train"`` or ``"eval"``."""
+
+
+class RewardLog:
+    """What reward functions logged for one batch of ``n`` completions through ``log_extra`` and
+    ``log_metric`` (module docstring): ``extra`` maps a column to its ``n`` values, ``metrics`` a
+    name to the values logged for it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.extra: dict[str, list] = {}
+        self.metrics: dict[str, list[float]] = {}
+        self.closed = False
+
+    def log_extra(self, column: str, values: Sequence) -> None:
+        """Log a column of one value per completion (TRL's ``log_extra``). Values that are not JSON
+        are kept as their ``str``; a non-finite float as None."""
+        if self.closed:
+            return  # a function that timed out, still running
+        if not isinstance(column, str) or not column:
+            raise TypeError(f"log_extra: the column name must be a non-empty string, got {column!r:.40}")
+        sized = hasattr(values, "__len__") and hasattr(values, "__iter__") and not isinstance(values, str | bytes | dict)
+        if not sized or len(values) != self.n:  # a list, a tuple, an array
+            got = f"{len(values)} values" if sized else type(values).__name__
+            raise ValueError(f"log_extra({column!r}): expected a list of {self.n} values (one per completion), got {got}")
+        self.extra[column] = [_jsonable(v.item() if hasattr(v, "item") and not isinstance(v, dict) else v) for v in values]
+
+    def log_metric(self, name: str, value: float) -> None:
+        """Log one number for the batch (TRL's ``log_metric``)."""
+        if self.closed:
+            return
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"log_metric: the name must be a non-empty string, got {name!r:.40}")
+        v, why = _value(value)
+        if v is None:
+            raise ValueError(f"log_metric({name!r}): {why or 'got None'}".replace("returned", "got"))
+        self.metrics.setdefault(name, []).append(v)
+
+    def merge(self, other: RewardLog) -> None:
+        """Add what one function logged (its columns replace same-named ones)."""
+        self.extra.update(other.extra)
+        for k, vs in other.metrics.items():
+            self.metrics.setdefault(k, []).extend(vs)
+
+    def row(self, i: int) -> dict | None:
+        """Completion ``i``'s logged columns (None when nothing was logged)."""
+        return {k: v[i] for k, v in self.extra.items()} or None
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    try:
+        json.dumps(v, allow_nan=False)
+    except (TypeError, ValueError):
+        return str(v)
+    return v
+
+
+def text_of(completion) -> str:
+    """A completion's text, in either form: text, or TRL's conversational form (the last assistant
+    message's content).
+
+    >>> text_of("#### 4"), text_of([{"role": "assistant", "content": "#### 4"}])
+    ('#### 4', '#### 4')
+    """
+    if isinstance(completion, str):
+        return completion
+    if not isinstance(completion, list | tuple) or not all(isinstance(m, dict) for m in completion):
+        raise TypeError(f"a completion is a str or a list of messages, got {type(completion).__name__}")
+    return next((m.get("content") or "" for m in reversed(completion) if m.get("role") == "assistant"), "")
 
 
 @dataclass(frozen=True)
@@ -184,6 +296,8 @@ class Scorer:
     """Bound on one reward function's call for one batch. A function that runs past it scores the
     batch 0 with reason "timed out"; its thread cannot be killed and is left to finish (rewards that
     can hang, like code execution, bound themselves at process level: see :mod:`grpo_kit.sandbox`)."""
+    max_steps: int | None = None
+    """The run's iterations, for ``trainer_state.max_steps``."""
     _pool: Any = field(default=None, repr=False, compare=False)
 
     def __getstate__(self):
@@ -193,10 +307,10 @@ class Scorer:
         self.__dict__.update(state)
         self._pool = None
 
-    def _call(self, fn, kwargs):
+    def _call(self, fn, kwargs, stage: RewardLog):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
-        fut = self._pool.submit(call_reward, fn, kwargs)
+        fut = self._pool.submit(call_reward, fn, {**kwargs, "log_extra": stage.log_extra, "log_metric": stage.log_metric})
         try:
             return fut.result(timeout=self.timeout_s), None
         except concurrent.futures.TimeoutError:
@@ -205,31 +319,45 @@ class Scorer:
             return None, f"timed out after {self.timeout_s:g} s"
         except Exception as e:  # a user's reward function: any error is this batch's failure, recorded
             return None, f"raised {type(e).__name__}: {e}"[:300]
+        finally:
+            stage.closed = True
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str], columns: dict[str, list],
-              completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+    def progress(self, global_step: int, version: int | None = None, mode: str = "train") -> TrainingProgress:
+        """The ``trainer_state`` of a batch (:class:`TrainingProgress`)."""
+        return TrainingProgress(int(global_step), self.max_steps, version, mode)
+
+    def score(self, prompts: Sequence, completions: Sequence, columns: dict[str, list],
+              completion_ids: Sequence[Sequence[int]] | None = None, *,
+              state: TrainingProgress | None = None, log: RewardLog | None = None) -> list[Score]:
         """Score a batch: each reward function is called with the keywords ``prompts``,
-        ``completions``, ``completion_ids`` (None when not given) and every column by name (see the
-        module docstring). A function that raises, hangs, returns the wrong number of items or an item
-        that is neither a finite number, a ``RewardResult`` nor None scores those completions 0 for
-        that component, with the reason, and counts as an error; the other components still count."""
+        ``completions``, ``completion_ids`` (None when not given), every column by name,
+        ``trainer_state`` (``state``; default: step 0 of a run of ``max_steps``), ``log_extra`` and
+        ``log_metric`` (what they log goes to ``log``; see the module docstring). ``prompts`` and
+        ``completions`` go as given (:meth:`score_problems` puts them in TRL's form). A function that
+        raises, hangs, returns the wrong number of items or an item that is neither a finite number, a
+        ``RewardResult`` nor None scores those completions 0 for that component, with the reason, and
+        counts as an error; the other components still count."""
         n = len(completions)
         clash = sorted(set(columns) & set(RESERVED))
         if clash:
             raise ValueError(f"column(s) {clash} clash with reward arguments of those names; rename them")
         if completion_ids is not None and len(completion_ids) != n:
             raise ValueError(f"{len(completion_ids)} completion_ids for {n} completions")
+        log = log if log is not None else RewardLog(n)
         kwargs = {"prompts": list(prompts), "completions": list(completions),
                   "completion_ids": None if completion_ids is None else [list(ids) for ids in completion_ids],
-                  **columns}
+                  "trainer_state": state if state is not None else self.progress(0), **columns}
         comps: list[list[float | None]] = []
         firsts: list[RewardResult | None] = [None] * n
         reasons: list[str | None] = [None] * n
         errors = [0] * n
         for k, fn in enumerate(self.rewards):
-            out, err = self._call(fn, kwargs)
+            stage = RewardLog(n)
+            out, err = self._call(fn, kwargs, stage)
             if err is None and (not isinstance(out, Sequence) or isinstance(out, str | bytes) or len(out) != n):
                 err = f"returned {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, Sequence) else "") + f", expected a list of {n}"
+            if err is None:
+                log.merge(stage)
             vals: list[float | None] = []
             for i in range(n):
                 v, why = (None, err) if err else _value(out[i])
@@ -255,18 +383,33 @@ class Scorer:
                                 first.parsed if first is not None else None))
         return scores
 
-    def score_problems(self, problems: Sequence[Problem], completions: Sequence[str],
+    def score_problems(self, problems: Sequence[Problem], completions: Sequence,
                        extra: dict[str, list] | None = None,
-                       completion_ids: Sequence[Sequence[int]] | None = None) -> list[Score]:
+                       completion_ids: Sequence[Sequence[int]] | None = None, *,
+                       state: TrainingProgress | None = None, log: RewardLog | None = None) -> list[Score]:
         """:meth:`score` with the prompts and columns taken from the problems (one per completion),
         plus ``extra`` columns (a multi-turn task's ``environments``, ``env_reward``, ``episodes``)
-        and the completions' token ids where the caller has them."""
+        and the completions' token ids where the caller has them. Prompts and completions take TRL's
+        form (:func:`trl_form`)."""
         cols = problem_columns(problems)
         for k, v in (extra or {}).items():
             if k in cols:
                 raise ValueError(f"problem column {k!r} clashes with the multi-turn column of that name; rename it")
             cols[k] = list(v)
-        return self.score([p.question for p in problems], completions, cols, completion_ids)
+        prompts, completions = trl_form(problems, completions)
+        return self.score(prompts, completions, cols, completion_ids, state=state, log=log)
+
+
+def trl_form(problems: Sequence[Problem], completions: Sequence) -> tuple[list, list]:
+    """The prompts and completions as TRL hands them to rewards: text prompts and text completions,
+    or, when the first problem is conversational (TRL's ``is_conversational`` on the first prompt),
+    the conversations and each completion as a list of messages (a text becomes
+    ``[{"role": "assistant", "content": text}]``; a list of messages, an episode's, stays as it is)."""
+    if not problems or not problems[0].conversational:
+        return [p.question for p in problems], list(completions)
+    prompts = [[dict(m) for m in p.messages] if p.messages is not None else p.question for p in problems]
+    return prompts, [[{"role": "assistant", "content": c}] if isinstance(c, str) else [dict(m) for m in c]
+                     for c in completions]
 
 
 def call_reward(fn: Callable, kwargs: dict) -> Any:

@@ -7,18 +7,19 @@ from collections.abc import Sequence
 
 from .. import data
 from ..reward import RewardResult, gsm8k_reward
-from .base import Task
+from .base import Task, text_of
 
 
 def hash_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequence[str],
                 format_bonus: float = 0.0, lenient_credit: float = 0.0, **_) -> list[RewardResult]:
-    """:func:`~grpo_kit.reward.gsm8k_reward` in TRL's signature: 1 for ``#### <gold>``, plus
+    """:func:`~grpo_kit.reward.gsm8k_reward` in TRL's signature (completions as text or TRL's
+    conversational messages): 1 for ``#### <gold>``, plus
     ``format_bonus`` for the form, ``lenient_credit`` for the right number read without the marker.
 
     >>> [r.score for r in hash_reward(["1+1?", "1+1?"], ["#### 2", "it is 2"], ["2", "2"], lenient_credit=0.5)]
     [1.0, 0.5]
     """
-    return [gsm8k_reward(c, g, format_bonus=format_bonus, lenient=lenient_credit > 0, lenient_credit=lenient_credit)
+    return [gsm8k_reward(text_of(c), g, format_bonus=format_bonus, lenient=lenient_credit > 0, lenient_credit=lenient_credit)
             for c, g in zip(completions, gold, strict=True)]
 
 

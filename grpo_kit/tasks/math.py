@@ -38,7 +38,7 @@ from pathlib import Path
 from .. import data
 from ..reward import MARKER, RewardResult, stray_commas
 from ..sandbox import readable
-from .base import Task
+from .base import Task, text_of
 
 DEFAULT_SOURCE = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 """GSM8K beside the project (``../shared/data/gsm8k``); the hub's ``openai/gsm8k`` where it is absent."""
@@ -182,8 +182,7 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
     v = verifier()
     out = []
     for c, g in zip(completions, gold, strict=True):
-        if not isinstance(c, str):
-            raise TypeError(f"completion must be a str, got {type(c).__name__}")
+        c = text_of(c)  # TRL's conversational form too; anything else raises TypeError
         if len(c) > MAX_CHARS:
             out.append(RewardResult(0.0, None, f"input too long ({len(c)} chars > {MAX_CHARS})"))
             continue

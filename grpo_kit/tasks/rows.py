@@ -1,15 +1,19 @@
 """Your own task from rows: a list of dicts, a ``datasets.Dataset``, a local JSONL/JSON/parquet/CSV
-file or a hub id, with an explicit column mapping and TRL-style reward functions."""
+file or a hub id, with TRL-style reward functions. A TRL dataset needs no mapping: its ``prompt``
+column holds text (TRL's standard format) or a conversation (its conversational format: a list of
+``{"role", "content"}`` messages, a system message included), and every other column reaches the
+rewards by name. Other rows name their question and gold columns (``question=``, ``gold=``)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..data import Problem
+from ..data import Problem, check_messages
 from .base import RewardFn, Task
 
 _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -48,8 +52,8 @@ def from_rows(
     rewards: Sequence[RewardFn] | RewardFn,
     *,
     name: str = "custom",
-    question: str = "question",
-    gold: str | None = "gold",
+    question: str | None = None,
+    gold: str | None = None,
     columns: Sequence[str] | None = None,
     heldout: Any = None,
     heldout_fraction: float = 0.1,
@@ -60,15 +64,27 @@ def from_rows(
 ) -> Task:
     """A :class:`~grpo_kit.tasks.Task` over your rows.
 
-    ``question`` and ``gold`` name the columns that hold the question and the gold answer (``gold=None``:
-    the rewards need none); reward functions get the gold answer as ``gold``. ``columns`` names the
-    columns passed to them by their own names (None: all but the question). Held-out problems are ``heldout`` (rows in any form ``rows`` takes), or else a
-    deterministic ``heldout_fraction`` of ``rows`` chosen by hashing each question.
+    ``question`` names the prompt column (None: ``"prompt"``, TRL's name, where the rows have one,
+    else ``"question"``). Its values are all text or all conversations (TRL decides by the first
+    row; so does this, and a row of the other form is refused): a conversation is a non-empty list
+    of messages, each a dict with a ``role`` (system, user, assistant, tool) and a string
+    ``content`` (:func:`grpo_kit.data.check_messages`; keys that are None, as Arrow fills in a
+    message's missing fields, are dropped), rendered with the chat template as it is; its rewards get
+    the conversations as ``prompts`` and completions as ``[{"role": "assistant", "content": ...}]``.
+    ``gold`` names the gold answer's column (None: ``"gold"`` where the rows have one, else no gold
+    answer); reward functions get it as ``gold``. ``columns`` names the columns passed to them by
+    their own names (None: all but the prompt). Held-out problems are ``heldout`` (rows in any form
+    ``rows`` takes), or else a deterministic ``heldout_fraction`` of ``rows`` chosen by hashing each prompt.
 
     >>> t = from_rows([{"q": "Say hi", "a": "hi"}], lambda prompts, completions, **kw: [1.0] * len(completions),
     ...               question="q", gold="a", heldout_fraction=0)
     >>> t.load("train", 5)[0].question, t.load("train", 5)[0].gold
     ('Say hi', 'hi')
+    >>> trl = from_rows([{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+    ...                   "solution": "4"}], lambda completions, **kw: [0.0] * len(completions), heldout_fraction=0)
+    >>> p = trl.load("train", 1)[0]
+    >>> p.question, p.conversational, p.columns
+    ('2+2?', True, {'solution': '4'})
     """
     if callable(rewards):
         rewards = [rewards]
@@ -78,7 +94,7 @@ def from_rows(
     if heldout is not None:
         held = _problems(load_rows(heldout, "test"), name, "heldout", question, gold, columns)
     else:
-        held = [p for p in train if _in_heldout(p.question, heldout_fraction)]
+        held = [p for p in train if _in_heldout(_key(p), heldout_fraction)]
         ids = {p.id for p in held}
         train = [p for p in train if p.id not in ids]
     if not train:
@@ -96,22 +112,54 @@ def from_rows(
     return Task(name, problems, list(rewards), weights=weights, instruction=instruction, correct_at=correct_at)
 
 
-def _problems(rows: list[dict], name: str, split: str, question: str, gold: str | None,
+def _key(p: Problem) -> str:
+    """What the held-out split hashes: the question, or the whole conversation."""
+    return p.question if p.messages is None else json.dumps(p.messages, sort_keys=True)
+
+
+def _conversation(value: Any, where: str) -> list[dict]:
+    """A prompt cell as a checked conversation (keys that are None dropped, as Arrow adds them)."""
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{where}: expected a list of messages, got {type(value).__name__} {value!r:.60}")
+    msgs = [{k: v for k, v in m.items() if v is not None or k in ("role", "content")} if isinstance(m, Mapping) else m
+            for m in value]
+    try:
+        check_messages(msgs)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return msgs
+
+
+def _problems(rows: list[dict], name: str, split: str, question: str | None, gold: str | None,
               columns: Sequence[str] | None) -> list[Problem]:
     if not rows:
         raise ValueError(f"task {name!r}: no {split} rows")
     have = set(rows[0])
+    if question is None and "prompt" not in have and "question" not in have:
+        raise KeyError(f"task {name!r} ({split} rows): no 'prompt' column (TRL's) nor 'question'; name the prompt "
+                       f"column with question=; the rows have {sorted(have)}")
+    if question is None:
+        question = "prompt" if "prompt" in have else "question"
+    if gold is None and "gold" in have:
+        gold = "gold"
     need = [c for c in (question, gold, *(columns or ())) if c is not None]
     missing = [c for c in need if c not in have]
     if missing:
         raise KeyError(f"task {name!r} ({split} rows): no column {missing[0]!r}; the rows have {sorted(have)}")
     # every other column by its own name, as TRL passes them (the gold column also as ``gold``)
     extra = list(columns) if columns is not None else [c for c in rows[0] if c not in (question, "gold")]
+    conversational = isinstance(rows[0].get(question), list | tuple)  # TRL's is_conversational, on the first row
     out = []
     for i, r in enumerate(rows):
-        q = r.get(question)
-        if not isinstance(q, str) or not q.strip():
-            raise ValueError(f"task {name!r} ({split} row {i}): column {question!r} must be a non-empty string, got {q!r:.60}")
+        q, where = r.get(question), f"task {name!r} ({split} row {i}): column {question!r}"
+        messages = None
+        if conversational:
+            messages = _conversation(q, where + " (a conversation, as in row 0)")
+            q = next(m["content"] for m in reversed(messages) if m["role"] == "user")
+        elif isinstance(q, list | tuple):
+            raise ValueError(f"{where} holds a conversation but row 0's is text: the rows must all take one form")
+        elif not isinstance(q, str) or not q.strip():
+            raise ValueError(f"{where} must be a non-empty string or a list of messages, got {q!r:.60}")
         out.append(Problem(id=f"{name}-{split}-{i}", question=q, gold="" if gold is None else str(r.get(gold)),
-                           columns={c: r.get(c) for c in extra}))
+                           columns={c: r.get(c) for c in extra}, messages=messages))
     return out
