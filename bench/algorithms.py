@@ -26,18 +26,10 @@ import json
 import statistics
 import tempfile
 
-from grpo_kit import sweep
+from grpo_kit import algorithms, sweep
 
-ALGORITHMS = {
-    "grpo": {"policy_loss": "grpo", "advantage": "grpo"},
-    "gspo": {"policy_loss": "gspo", "advantage": "grpo"},
-    "cispo": {"policy_loss": "cispo", "advantage": "grpo"},
-    "rloo": {"policy_loss": "grpo", "advantage": "rloo"},
-    "reinforce_pp": {"policy_loss": "grpo", "advantage": "reinforce_pp"},
-    "dr_grpo": {"policy_loss": "grpo", "advantage": "dr_grpo", "loss_type": "dr_grpo"},
-}
-"""Algorithm name -> config overrides. ``dr_grpo`` is Dr. GRPO whole: unscaled advantages and its
-constant normalizer (TRL's ``loss_type="dr_grpo"``, ``scale_rewards="none"``)."""
+ALGORITHMS = algorithms.PRESETS
+"""Algorithm name -> config overrides (``grpo_kit.algorithms.PRESETS``)."""
 
 
 def _mean(xs):

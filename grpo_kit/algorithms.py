@@ -251,6 +251,19 @@ def reinforce_pp_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) ->
     return zero_flat_groups((x - x.mean()) / (std + 1e-8), r, group_size)
 
 
+PRESETS: dict[str, dict[str, str]] = {
+    "grpo": {"policy_loss": "grpo", "advantage": "grpo"},
+    "gspo": {"policy_loss": "gspo", "advantage": "grpo"},
+    "cispo": {"policy_loss": "cispo", "advantage": "grpo"},
+    "rloo": {"policy_loss": "grpo", "advantage": "rloo"},
+    "reinforce_pp": {"policy_loss": "grpo", "advantage": "reinforce_pp"},
+    "dr_grpo": {"policy_loss": "grpo", "advantage": "dr_grpo", "loss_type": "dr_grpo"},
+}
+"""The built-ins as the study compares them (``bench/algorithms.py``, ``08_algorithms.ipynb``): an
+algorithm's config overrides. A loss changes with the rest the kit's default; ``dr_grpo`` is Dr. GRPO
+whole, unscaled advantages with its constant normalizer (TRL's ``loss_type="dr_grpo"``)."""
+
+
 def compute_advantages(fn: Advantage, rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     """``fn``'s advantages for ``rewards`` (N,), checked against the contract (shape, finite)."""
     if rewards.numel() == 0:
