@@ -41,14 +41,27 @@ def row_of(profile: str, algorithm: str, result: dict, target: float) -> dict:
     """One run's numbers (see the module docstring)."""
     recs, summary = result["records"], result["summary"]
     if result["error"]:
-        return {"profile": profile, "algorithm": algorithm, "error": result["error"], "final_acc": None,
-                "time_to_target_s": None, "why": f"the run failed: {result['error']}", "curve": []}
+        return {
+            "profile": profile,
+            "algorithm": algorithm,
+            "error": result["error"],
+            "final_acc": None,
+            "time_to_target_s": None,
+            "why": f"the run failed: {result['error']}",
+            "curve": [],
+        }
     hit = sweep.time_to(recs, target)
     curve = sweep.accuracy_curve(recs, summary.get("acc_before"))
     best = max((a for _, a in curve[1:]), default=None)
-    why = None if hit is not None else (
-        f"not reached in {summary['iterations']} iterations (best {best:.3f} of {len(curve) - 1} evaluations)"
-        if best is not None else "no evaluation after training")
+    why = (
+        None
+        if hit is not None
+        else (
+            f"not reached in {summary['iterations']} iterations (best {best:.3f} of {len(curve) - 1} evaluations)"
+            if best is not None
+            else "no evaluation after training"
+        )
+    )
     return {
         "profile": profile,
         "algorithm": algorithm,
@@ -72,13 +85,22 @@ def main() -> None:
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=list(ALGORITHMS))
     ap.add_argument("--iterations", type=int, default=None, help="iterations per run (default: the profile's)")
     ap.add_argument("--eval-every", type=int, default=None, help="held-out evaluation every k iterations")
-    ap.add_argument("--target", type=float, default=None,
-                    help="held-out accuracy for the time-to-target figure (default: 0.9 tiny, 0.5 smol)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="held-out accuracy for the time-to-target figure (default: 0.9 tiny, 0.5 smol)",
+    )
     ap.add_argument("--engine", default=None, choices=["hf", "vllm"], help="rollout engine (default: the profile's)")
     ap.add_argument("--max-parallel", type=int, default=None, help="runs at once (default: one per two cores)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                    help="config overrides for every run (a Python literal, or a bare string)")
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="config overrides for every run (a Python literal, or a bare string)",
+    )
     args = ap.parse_args()
 
     base = {"seed": args.seed}
@@ -96,8 +118,9 @@ def main() -> None:
         for profile in args.profiles:
             target = args.target if args.target is not None else {"tiny": 0.9, "smol": 0.5}[profile]
             runs = {a: ALGORITHMS[a] for a in args.algorithms}
-            results = sweep.sweep_runs(runs, profile, base, f"{root}/{profile}", max_parallel=args.max_parallel,
-                                       raise_errors=False)
+            results = sweep.sweep_runs(
+                runs, profile, base, f"{root}/{profile}", max_parallel=args.max_parallel, raise_errors=False
+            )
             for algorithm, res in zip(args.algorithms, results, strict=True):
                 row = {**row_of(profile, algorithm, res, target), "target": target}
                 rows.append(row)

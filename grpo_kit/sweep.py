@@ -145,8 +145,16 @@ def sweep(
     ]
 
     def submit(client: Client, job: dict):
-        return client.submit(run_point, str(notebook), job["notebook"], job["params"], str(notebook.parent),
-                             kernel_name, key=f"sweep-{job['name']}-{uuid.uuid4().hex[:8]}", pure=False)
+        return client.submit(
+            run_point,
+            str(notebook),
+            job["notebook"],
+            job["params"],
+            str(notebook.parent),
+            kernel_name,
+            key=f"sweep-{job['name']}-{uuid.uuid4().hex[:8]}",
+            pure=False,
+        )
 
     results = _on_cluster(client, jobs, submit, max_parallel)
     failed = [r for r in results if r["error"]]
@@ -225,8 +233,9 @@ def run_config(spec: bytes, run_dir: str) -> dict[str, Any]:
     log = run_path.with_name(run_path.name + ".log")
     start = time.time()
     with open(log, "w") as out:
-        proc = subprocess.run([sys.executable, "-m", "grpo_kit.sweep", str(spec_path)], stdout=out,
-                              stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "grpo_kit.sweep", str(spec_path)], stdout=out, stderr=subprocess.STDOUT, check=False
+        )
     end = time.time()
     error = None
     if proc.returncode != 0:
@@ -236,8 +245,15 @@ def run_config(spec: bytes, run_dir: str) -> dict[str, Any]:
     summary = read_json(files.summary) if error is None else {}
     if error is None and not summary:
         error = f"the run finished but wrote no {files.summary}"
-    return {"summary": summary, "records": read_jsonl(files.metrics), "error": error, "start": start, "end": end,
-            "wall_s": end - start, "log": str(log)}
+    return {
+        "summary": summary,
+        "records": read_jsonl(files.metrics),
+        "error": error,
+        "start": start,
+        "end": end,
+        "wall_s": end - start,
+        "log": str(log),
+    }
 
 
 def _run_spec(spec_path: str) -> None:
@@ -293,10 +309,23 @@ def sweep_runs(
         fns = {k: params.pop(k) for k in PLUGINS if callable(params.get(k))}
         named = {**params, **{k: algorithms.reference(fn) for k, fn in fns.items()}}
         config.profile(profile, **named)  # a bad value stops here, before any run
-        spec = cloudpickle.dumps({"profile": profile, "params": params, "policy_loss": fns.get("policy_loss"),
-                                  "advantage": fns.get("advantage")})
-        jobs.append({"name": name, "point": {k: named[k] for k in overrides}, "params": named, "spec": spec,
-                     "run_dir": str(out / name)})
+        spec = cloudpickle.dumps(
+            {
+                "profile": profile,
+                "params": params,
+                "policy_loss": fns.get("policy_loss"),
+                "advantage": fns.get("advantage"),
+            }
+        )
+        jobs.append(
+            {
+                "name": name,
+                "point": {k: named[k] for k in overrides},
+                "params": named,
+                "spec": spec,
+                "run_dir": str(out / name),
+            }
+        )
     if not jobs:
         raise ValueError("runs is empty")
     max_parallel = default_parallelism() if max_parallel is None else max_parallel
@@ -304,8 +333,9 @@ def sweep_runs(
         raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
 
     def submit(client: Client, job: dict):
-        return client.submit(run_config, job["spec"], job["run_dir"], key=f"run-{job['name']}-{uuid.uuid4().hex[:8]}",
-                             pure=False)
+        return client.submit(
+            run_config, job["spec"], job["run_dir"], key=f"run-{job['name']}-{uuid.uuid4().hex[:8]}", pure=False
+        )
 
     results = _on_cluster(client, jobs, submit, max_parallel)
     for r in results:
@@ -322,8 +352,11 @@ def accuracy_curve(records: Sequence[Mapping[str, Any]], acc_before: float | Non
     """``(GRPO wall seconds, held-out accuracy)`` of a run: each evaluation at the loop's wall time of
     the iteration it finished in (the final one lands on the last record), the base model's at 0."""
     pts = [(0.0, acc_before)] if acc_before is not None else []
-    return pts + [(r["grpo_wall_s"], r["eval_acc"]) for r in records
-                  if _is_num(r.get("eval_acc")) and _is_num(r.get("grpo_wall_s"))]
+    return pts + [
+        (r["grpo_wall_s"], r["eval_acc"])
+        for r in records
+        if _is_num(r.get("eval_acc")) and _is_num(r.get("grpo_wall_s"))
+    ]
 
 
 def time_to(records: Sequence[Mapping[str, Any]], target: float) -> float | None:
@@ -346,12 +379,28 @@ def compare_figure(results: Sequence[Mapping[str, Any]], series_keys: Sequence[s
         color, recs = palette[g % len(palette)], r.get("records") or []
         curve = accuracy_curve(recs, r["summary"].get("acc_before"))
         acc_xy = tuple(list(c) for c in zip(*curve, strict=True)) if curve else ([], [])
-        lines = [acc_xy] + [([rec.get("iteration") for rec in recs if _is_num(rec.get(k))],
-                   [rec[k] for rec in recs if _is_num(rec.get(k))]) for k in series_keys]
+        lines = [acc_xy] + [
+            (
+                [rec.get("iteration") for rec in recs if _is_num(rec.get(k))],
+                [rec[k] for rec in recs if _is_num(rec.get(k))],
+            )
+            for k in series_keys
+        ]
         for col, (xs, ys) in enumerate(lines):
-            fig.add_trace(go.Scatter(x=list(xs), y=list(ys), mode="lines+markers", name=r["name"], legendgroup=r["name"],
-                                     showlegend=col == 0, marker=dict(color=color, size=6), line=dict(color=color)),
-                          row=1, col=col + 1)
+            fig.add_trace(
+                go.Scatter(
+                    x=list(xs),
+                    y=list(ys),
+                    mode="lines+markers",
+                    name=r["name"],
+                    legendgroup=r["name"],
+                    showlegend=col == 0,
+                    marker=dict(color=color, size=6),
+                    line=dict(color=color),
+                ),
+                row=1,
+                col=col + 1,
+            )
     fig.update_layout(
         title=f"{len(ok)} of {len(results)} runs",
         template="plotly_white",
