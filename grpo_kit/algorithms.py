@@ -328,6 +328,16 @@ def _policy_inputs(logp, old_logp, ref_logp, adv, mask, cfg, sampling_logp):
     return m, logp, old_logp, adv.to(logp.dtype)[:, None]  # a: (B, 1)
 
 
+def _weighted(x: Tensor, old_logp: Tensor, sampling_logp: Tensor | None, m: Tensor,
+              cfg: LossConfig) -> tuple[Tensor, Tensor | None]:
+    """``x`` (B, T) times the engine-mismatch weight of :func:`grpo_kit.loss.mismatch_weight` and the
+    weight before its cap (for the stats); ``(x, None)`` without sampling log-probs."""
+    if sampling_logp is None:
+        return x, None
+    w_raw, w = mismatch_weight(old_logp, sampling_logp, m, cfg.importance_sampling_mode, cfg.importance_sampling_cap)
+    return x * w, w_raw
+
+
 @register_policy_loss("gspo", zero_adv_is_zero=True)
 def gspo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor, *,
                      cfg: LossConfig, norm: Normalizer | None = None,
@@ -351,12 +361,7 @@ def gspo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, ad
     n = m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     s = torch.exp((logp - old_logp).sum(dim=1, keepdim=True) / n)  # (B, 1) 0 off the mask already
     clipped = torch.clamp(s, 1.0 - low, 1.0 + high)  # (B, 1)
-    surr = torch.minimum(s * a, clipped * a).expand_as(logp)  # (B, T)
-    w_raw = None
-    if sampling_logp is not None:
-        w_raw, w = mismatch_weight(old_logp, sampling_logp, m, cfg.importance_sampling_mode,
-                                   cfg.importance_sampling_cap)
-        surr = surr * w
+    surr, w_raw = _weighted(torch.minimum(s * a, clipped * a).expand_as(logp), old_logp, sampling_logp, m, cfg)
     per_tok, k3 = add_kl(-surr, logp, ref_logp, m, cfg.kl_beta)  # (B, T)
     loss = aggregate(per_tok, m, cfg.loss_type, norm)
     ratio = s.detach().expand_as(logp)  # (B, T)
@@ -384,12 +389,7 @@ def cispo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, a
     eps_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     ratio = torch.exp(logp - old_logp).detach()  # (B, T)
     weight = ratio.clamp(max=1.0 + eps_high)  # (B, T) sg(clip(ratio, max=1 + eps_high))
-    pg = weight * a * logp  # (B, T)
-    w_raw = None
-    if sampling_logp is not None:
-        w_raw, w = mismatch_weight(old_logp, sampling_logp, m, cfg.importance_sampling_mode,
-                                   cfg.importance_sampling_cap)
-        pg = pg * w
+    pg, w_raw = _weighted(weight * a * logp, old_logp, sampling_logp, m, cfg)  # (B, T)
     per_tok, k3 = add_kl(-pg, logp, ref_logp, m, cfg.kl_beta)  # (B, T)
     loss = aggregate(per_tok, m, cfg.loss_type, norm)
     stats = token_stats(ratio, m, torch.zeros_like(m), ratio > 1.0 + eps_high, k3, w_raw, cfg.importance_sampling_cap)
