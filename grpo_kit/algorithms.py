@@ -20,7 +20,9 @@ Advantage contract::
   advantages are not a plug-in point yet).
 - A group whose rewards are all equal must get advantage exactly 0 (``0.0``, not a 1e-17 residue):
   the trainer skips rows without advantage, dynamic sampling drops such groups, and the records count
-  them; :func:`zero_flat_groups` does it.
+  them; :func:`zero_flat_groups` does it. The one exception is a baseline from outside the group
+  (``reinforce_pp_global``): there a flat group carries signal, which dynamic sampling (it drops
+  groups without reward spread) and the records' usable-sample counts (groups with spread) do not see.
 
 Policy-loss contract::
 
@@ -53,7 +55,7 @@ Policy-loss contract::
   all-reduced, so they must be sums, not means.
 
 Built-ins (``POLICY_LOSSES``: ``grpo``, ``gspo``, ``cispo``; ``ADVANTAGES``: ``grpo``, ``dr_grpo``,
-``rloo``, ``reinforce_pp``) keep the KL term and the engine-mismatch weight of :func:`grpo_loss`, so
+``rloo``, ``reinforce_pp``, ``reinforce_pp_global``) keep the KL term and the engine-mismatch weight of :func:`grpo_loss`, so
 ``kl_beta``, ``loss_type`` and ``importance_sampling_*`` mean the same for each.
 """
 
@@ -241,14 +243,29 @@ def reinforce_pp_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) ->
     ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (``scores - id2mean``, then
     ``verl_F.masked_whiten``). verl whitens over tokens (each sequence weighted by its length); an
     estimator here sees one reward per sequence, so the whitening is over sequences. Groups without
-    reward spread stay exactly 0 (the kit's contract). Left open: the global-baseline variant
-    (no group mean, where a flat group would carry signal) and the KL-in-reward term (it needs the
-    rollouts' per-token reference log-probs, which an estimator does not receive)."""
+    reward spread stay exactly 0 (the kit's contract). The global-baseline variant is
+    :func:`reinforce_pp_global_advantage`. Left open: the KL-in-reward term (it needs the rollouts'
+    per-token reference log-probs, which an estimator does not receive)."""
     _check_groups(rewards, group_size)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
     x = (r.view(-1, group_size) - r.view(-1, group_size).mean(dim=1, keepdim=True)).reshape(-1)  # (N,)
     std = x.std() if x.numel() > 1 else x.new_zeros(())
     return zero_flat_groups((x - x.mean()) / (std + 1e-8), r, group_size)
+
+
+@register_advantage("reinforce_pp_global")
+def reinforce_pp_global_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
+    """REINFORCE++ with its global baseline (Hu et al. 2025, "REINFORCE++", global advantage
+    normalization): no group mean, the rewards whitened over the whole batch,
+    ``(r - batch mean) / (batch std + 1e-8)``; verl's ``compute_reinforce_plus_plus_outcome_advantage``
+    (the outcome reward's return, ``gamma = 1``, then ``verl_F.masked_whiten`` over the batch), per
+    sequence where verl whitens per token. A group without reward spread gets the signal of its reward
+    against the batch's (all right: pushed up; all wrong: pushed down): the contract's one exception
+    (module docstring). A batch without any spread gets exactly 0."""
+    _check_groups(rewards, group_size)
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
+    std = r.std() if r.numel() > 1 else r.new_zeros(())
+    return torch.where(r.amax() == r.amin(), 0.0, (r - r.mean()) / (std + 1e-8))  # (N,)
 
 
 PRESETS: dict[str, dict[str, str]] = {
