@@ -2,6 +2,7 @@
 
     python bench/algorithms.py [--profiles tiny smol] [--algorithms grpo gspo cispo rloo reinforce_pp dr_grpo]
                                [--iterations N] [--eval-every K] [--target 0.9] [--engine hf] [--max-parallel P]
+                               [--set field=value ...] [--out-dir DIR]
 
 One run per algorithm and profile, each a Dask task of :func:`grpo_kit.sweep.sweep_runs` (a
 ``loop.run`` in a child interpreter with its own LocalCluster); every run of a profile has the same
@@ -35,6 +36,10 @@ ALGORITHMS = algorithms.PRESETS
 def _mean(xs):
     xs = [x for x in xs if isinstance(x, (int, float)) and x is not None]
     return statistics.fmean(xs) if xs else None
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def row_of(profile: str, algorithm: str, result: dict, target: float) -> dict:
@@ -71,6 +76,7 @@ def row_of(profile: str, algorithm: str, result: dict, target: float) -> dict:
         "time_to_target_s": hit,
         "why": why,
         "grpo_wall_s": summary["grpo_wall_s"],
+        "iterations": summary["iterations"],
         "ratio_std": _mean([r.get("ratio_std") for r in recs]),
         "clip_frac": _mean([r.get("clip_frac") for r in recs]),
         "mismatch_kl": _mean([r.get("mismatch_kl") for r in recs]),
@@ -94,6 +100,7 @@ def main() -> None:
     ap.add_argument("--engine", default=None, choices=["hf", "vllm"], help="rollout engine (default: the profile's)")
     ap.add_argument("--max-parallel", type=int, default=None, help="runs at once (default: one per two cores)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
     ap.add_argument(
         "--set",
         nargs="*",
@@ -114,7 +121,8 @@ def main() -> None:
         except (ValueError, SyntaxError):
             base[field] = value
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-algorithms-") as root:
+    with tempfile.TemporaryDirectory(prefix="bench-algorithms-") as tmp:
+        root = args.out_dir or tmp
         for profile in args.profiles:
             target = args.target if args.target is not None else {"tiny": 0.9, "smol": 0.5}[profile]
             runs = {a: ALGORITHMS[a] for a in args.algorithms}
@@ -129,10 +137,11 @@ def main() -> None:
                     continue
                 ttt = f"{row['time_to_target_s']:.1f} s" if row["time_to_target_s"] is not None else row["why"]
                 print(
-                    f"{profile} {algorithm:12s} final acc {row['final_acc']:.3f} (from {row['acc_before']:.3f}); "
-                    f"time to {target:.2f}: {ttt}; GRPO {row['grpo_wall_s']:.1f} s; ratio std {row['ratio_std']:.2e}, "
-                    f"clip {row['clip_frac']:.4f}, mismatch KL {row['mismatch_kl']:.2e}, "
-                    f"wrong-policy warnings {row['wrong_policy_iterations']}; "
+                    f"{profile} {algorithm:12s} final acc {_fmt(row['final_acc'], '.3f')} (from "
+                    f"{_fmt(row['acc_before'], '.3f')}); time to {target:.2f}: {ttt}; GRPO {row['grpo_wall_s']:.1f} s "
+                    f"(task {res['wall_s']:.0f} s); ratio std {_fmt(row['ratio_std'], '.2e')}, clip "
+                    f"{_fmt(row['clip_frac'], '.4f')}, mismatch KL {_fmt(row['mismatch_kl'], '.2e')}, "
+                    f"wrong-policy iterations {row['wrong_policy_iterations']}; "
                     f"curve {[(round(t, 1), round(a, 3)) for t, a in row['curve']]}",
                     flush=True,
                 )
@@ -140,6 +149,7 @@ def main() -> None:
     for row in rows:
         key = f"{row['profile']}_{row['algorithm']}"
         out[f"{row['profile']}_target"] = row["target"]
+        out[f"{key}_iterations"] = row.get("iterations")
         out[f"{key}_final_acc"] = row["final_acc"]
         out[f"{key}_time_to_target_s"] = row["time_to_target_s"]
         if row["time_to_target_s"] is None:
