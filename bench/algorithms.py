@@ -102,6 +102,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
     ap.add_argument(
+        "--own-clusters",
+        action="store_true",
+        help="a LocalCluster per run, --max-parallel at a time (default: the runs one after another on "
+        "one cluster started once; GRPO wall time excludes start-up either way)",
+    )
+    ap.add_argument(
         "--set",
         nargs="*",
         default=[],
@@ -127,7 +133,13 @@ def main() -> None:
             target = args.target if args.target is not None else {"tiny": 0.9, "smol": 0.5}[profile]
             runs = {a: ALGORITHMS[a] for a in args.algorithms}
             results = sweep.sweep_runs(
-                runs, profile, base, f"{root}/{profile}", max_parallel=args.max_parallel, raise_errors=False
+                runs,
+                profile,
+                base,
+                f"{root}/{profile}",
+                max_parallel=args.max_parallel,
+                raise_errors=False,
+                shared_cluster=not args.own_clusters,
             )
             for algorithm, res in zip(args.algorithms, results, strict=True):
                 row = {**row_of(profile, algorithm, res, target), "target": target}

@@ -284,8 +284,13 @@ def sweep_runs(
     client=None,
     max_parallel: int | None = None,
     raise_errors: bool = True,
+    shared_cluster: bool = False,
 ) -> list[dict[str, Any]]:
     """One ``loop.run`` per named point, at most ``max_parallel`` at a time, as Dask tasks.
+
+    ``shared_cluster``: the runs go one after another to ONE cluster of the profile's rollout and
+    trainer workers, started here (each run still builds its own engines and trainer ranks; the
+    worker processes and their imports are paid once), instead of a LocalCluster per run.
 
     ``runs`` maps a file-name-safe name to config overrides applied over ``base_params`` on
     ``profile`` (``{"gspo": {"policy_loss": "gspo"}, "rloo": {"advantage": "rloo"}}``); a point's
@@ -331,13 +336,34 @@ def sweep_runs(
     max_parallel = default_parallelism() if max_parallel is None else max_parallel
     if max_parallel < 1:
         raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
+    grpo_client = None
+    if shared_cluster:  # one run at a time per cluster (a run registers its engines on every rollout worker)
+        from . import cluster
+
+        c = config.profile(profile, **jobs[0]["params"]).cluster
+        grpo_client = cluster.connect(
+            n_rollout_workers=c.n_rollout_workers,
+            n_trainer_workers=c.world_size,
+            n_reward_workers=c.n_reward_workers,
+            threads_per_worker=c.threads_per_worker,
+            quiet=True,
+        )
+        max_parallel = 1
+        for job in jobs:
+            spec = cloudpickle.loads(job["spec"])
+            spec["params"]["scheduler_address"] = grpo_client.scheduler.address
+            job["spec"] = cloudpickle.dumps(spec)
 
     def submit(client: Client, job: dict):
         return client.submit(
             run_config, job["spec"], job["run_dir"], key=f"run-{job['name']}-{uuid.uuid4().hex[:8]}", pure=False
         )
 
-    results = _on_cluster(client, jobs, submit, max_parallel)
+    try:
+        results = _on_cluster(client, jobs, submit, max_parallel)
+    finally:
+        if grpo_client is not None:
+            cluster.shutdown(grpo_client)
     for r in results:
         r.pop("spec", None)
         r.setdefault("records", [])

@@ -29,7 +29,7 @@ TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4
 HF = {**TINY, "engine": "hf"}
 SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
 NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color", "pin_cpus",
-                 "staleness_ks", "corrections", "n_rows", "brevity_weight", "presets", "target"}
+                 "staleness_ks", "corrections", "n_rows", "brevity_weight", "presets", "target", "shared_cluster"}
 """Parameters that are not config fields; every other parameter name must be one."""
 
 pytestmark = pytest.mark.timeout(900)
