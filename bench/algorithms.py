@@ -27,7 +27,7 @@ import json
 import statistics
 import tempfile
 
-from grpo_kit import algorithms, sweep
+from grpo_kit import algorithms, records, sweep
 
 ALGORITHMS = algorithms.PRESETS
 """Algorithm name -> config overrides (``grpo_kit.algorithms.PRESETS``)."""
@@ -85,6 +85,13 @@ def row_of(profile: str, algorithm: str, result: dict, target: float) -> dict:
     }
 
 
+def finished(run_dir: str) -> dict:
+    """A run directory read back as :func:`grpo_kit.sweep.sweep_runs` reports it (``--report-only``)."""
+    run = records.load_run(run_dir)
+    error = None if run["summary"] else f"no summary.json in {run_dir} (not run, or cut short)"
+    return {"records": run["records"], "summary": run["summary"], "error": error, "wall_s": None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profiles", nargs="+", default=["tiny", "smol"], choices=["tiny", "smol"])
@@ -101,6 +108,11 @@ def main() -> None:
     ap.add_argument("--max-parallel", type=int, default=None, help="runs at once (default: one per two cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out-dir", default=None, help="keep the run directories here (default: a temporary one)")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: report the runs already in --out-dir (a study cut short: the runs that finished)",
+    )
     ap.add_argument(
         "--own-clusters",
         action="store_true",
@@ -132,15 +144,20 @@ def main() -> None:
         for profile in args.profiles:
             target = args.target if args.target is not None else {"tiny": 0.9, "smol": 0.5}[profile]
             runs = {a: ALGORITHMS[a] for a in args.algorithms}
-            results = sweep.sweep_runs(
-                runs,
-                profile,
-                base,
-                f"{root}/{profile}",
-                max_parallel=args.max_parallel,
-                raise_errors=False,
-                shared_cluster=not args.own_clusters,
-            )
+            if args.report_only:
+                if not args.out_dir:
+                    ap.error("--report-only reads --out-dir")
+                results = [finished(f"{root}/{profile}/{a}") for a in args.algorithms]
+            else:
+                results = sweep.sweep_runs(
+                    runs,
+                    profile,
+                    base,
+                    f"{root}/{profile}",
+                    max_parallel=args.max_parallel,
+                    raise_errors=False,
+                    shared_cluster=not args.own_clusters,
+                )
             for algorithm, res in zip(args.algorithms, results, strict=True):
                 row = {**row_of(profile, algorithm, res, target), "target": target}
                 rows.append(row)
@@ -151,7 +168,7 @@ def main() -> None:
                 print(
                     f"{profile} {algorithm:12s} final acc {_fmt(row['final_acc'], '.3f')} (from "
                     f"{_fmt(row['acc_before'], '.3f')}); time to {target:.2f}: {ttt}; GRPO {row['grpo_wall_s']:.1f} s "
-                    f"(task {res['wall_s']:.0f} s); ratio std {_fmt(row['ratio_std'], '.2e')}, clip "
+                    f"(task {_fmt(res['wall_s'], '.0f')} s); ratio std {_fmt(row['ratio_std'], '.2e')}, clip "
                     f"{_fmt(row['clip_frac'], '.4f')}, mismatch KL {_fmt(row['mismatch_kl'], '.2e')}, "
                     f"wrong-policy iterations {row['wrong_policy_iterations']}; "
                     f"curve {[(round(t, 1), round(a, 3)) for t, a in row['curve']]}",
