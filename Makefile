@@ -37,6 +37,7 @@ bench:
 	$(PY) bench/vs_trl.py
 	$(PY) bench/vs_trl.py --profile smol --repeats 1 --eval-every 5
 	$(PY) bench/staleness.py
+	$(PY) bench/algorithms.py --profiles tiny --engine hf --iterations 20
 	$(PY) bench/real_model.py
 
 lint: setup

@@ -20,7 +20,9 @@ Advantage contract::
   advantages are not a plug-in point yet).
 - A group whose rewards are all equal must get advantage exactly 0 (``0.0``, not a 1e-17 residue):
   the trainer skips rows without advantage, dynamic sampling drops such groups, and the records count
-  them; :func:`zero_flat_groups` does it.
+  them; :func:`zero_flat_groups` does it. The one exception is a baseline from outside the group
+  (``reinforce_pp_global``): there a flat group carries signal, which dynamic sampling (it drops
+  groups without reward spread) and the records' usable-sample counts (groups with spread) do not see.
 
 Policy-loss contract::
 
@@ -53,7 +55,7 @@ Policy-loss contract::
   all-reduced, so they must be sums, not means.
 
 Built-ins (``POLICY_LOSSES``: ``grpo``, ``gspo``, ``cispo``; ``ADVANTAGES``: ``grpo``, ``dr_grpo``,
-``rloo``, ``reinforce_pp``) keep the KL term and the engine-mismatch weight of :func:`grpo_loss`, so
+``rloo``, ``reinforce_pp``, ``reinforce_pp_global``) keep the KL term and the engine-mismatch weight of :func:`grpo_loss`, so
 ``kl_beta``, ``loss_type`` and ``importance_sampling_*`` mean the same for each.
 """
 
@@ -241,14 +243,42 @@ def reinforce_pp_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) ->
     ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (``scores - id2mean``, then
     ``verl_F.masked_whiten``). verl whitens over tokens (each sequence weighted by its length); an
     estimator here sees one reward per sequence, so the whitening is over sequences. Groups without
-    reward spread stay exactly 0 (the kit's contract). Left open: the global-baseline variant
-    (no group mean, where a flat group would carry signal) and the KL-in-reward term (it needs the
-    rollouts' per-token reference log-probs, which an estimator does not receive)."""
+    reward spread stay exactly 0 (the kit's contract). The global-baseline variant is
+    :func:`reinforce_pp_global_advantage`. Left open: the KL-in-reward term (it needs the rollouts'
+    per-token reference log-probs, which an estimator does not receive)."""
     _check_groups(rewards, group_size)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
     x = (r.view(-1, group_size) - r.view(-1, group_size).mean(dim=1, keepdim=True)).reshape(-1)  # (N,)
     std = x.std() if x.numel() > 1 else x.new_zeros(())
     return zero_flat_groups((x - x.mean()) / (std + 1e-8), r, group_size)
+
+
+@register_advantage("reinforce_pp_global")
+def reinforce_pp_global_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
+    """REINFORCE++ with its global baseline (Hu et al. 2025, "REINFORCE++", global advantage
+    normalization): no group mean, the rewards whitened over the whole batch,
+    ``(r - batch mean) / (batch std + 1e-8)``; verl's ``compute_reinforce_plus_plus_outcome_advantage``
+    (the outcome reward's return, ``gamma = 1``, then ``verl_F.masked_whiten`` over the batch), per
+    sequence where verl whitens per token. A group without reward spread gets the signal of its reward
+    against the batch's (all right: pushed up; all wrong: pushed down): the contract's one exception
+    (module docstring). A batch without any spread gets exactly 0."""
+    _check_groups(rewards, group_size)
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
+    std = r.std() if r.numel() > 1 else r.new_zeros(())
+    return torch.where(r.amax() == r.amin(), 0.0, (r - r.mean()) / (std + 1e-8))  # (N,)
+
+
+PRESETS: dict[str, dict[str, str]] = {
+    "grpo": {"policy_loss": "grpo", "advantage": "grpo"},
+    "gspo": {"policy_loss": "gspo", "advantage": "grpo"},
+    "cispo": {"policy_loss": "cispo", "advantage": "grpo"},
+    "rloo": {"policy_loss": "grpo", "advantage": "rloo"},
+    "reinforce_pp": {"policy_loss": "grpo", "advantage": "reinforce_pp"},
+    "dr_grpo": {"policy_loss": "grpo", "advantage": "dr_grpo", "loss_type": "dr_grpo"},
+}
+"""The built-ins as the study compares them (``bench/algorithms.py``, ``08_algorithms.ipynb``): an
+algorithm's config overrides. A loss changes with the rest the kit's default; ``dr_grpo`` is Dr. GRPO
+whole, unscaled advantages with its constant normalizer (TRL's ``loss_type="dr_grpo"``)."""
 
 
 def compute_advantages(fn: Advantage, rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
@@ -315,6 +345,16 @@ def _policy_inputs(logp, old_logp, ref_logp, adv, mask, cfg, sampling_logp):
     return m, logp, old_logp, adv.to(logp.dtype)[:, None]  # a: (B, 1)
 
 
+def _weighted(x: Tensor, old_logp: Tensor, sampling_logp: Tensor | None, m: Tensor,
+              cfg: LossConfig) -> tuple[Tensor, Tensor | None]:
+    """``x`` (B, T) times the engine-mismatch weight of :func:`grpo_kit.loss.mismatch_weight` and the
+    weight before its cap (for the stats); ``(x, None)`` without sampling log-probs."""
+    if sampling_logp is None:
+        return x, None
+    w_raw, w = mismatch_weight(old_logp, sampling_logp, m, cfg.importance_sampling_mode, cfg.importance_sampling_cap)
+    return x * w, w_raw
+
+
 @register_policy_loss("gspo", zero_adv_is_zero=True)
 def gspo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor, *,
                      cfg: LossConfig, norm: Normalizer | None = None,
@@ -338,12 +378,7 @@ def gspo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, ad
     n = m.sum(dim=1, keepdim=True).clamp(min=1)  # (B, 1)
     s = torch.exp((logp - old_logp).sum(dim=1, keepdim=True) / n)  # (B, 1) 0 off the mask already
     clipped = torch.clamp(s, 1.0 - low, 1.0 + high)  # (B, 1)
-    surr = torch.minimum(s * a, clipped * a).expand_as(logp)  # (B, T)
-    w_raw = None
-    if sampling_logp is not None:
-        w_raw, w = mismatch_weight(old_logp, sampling_logp, m, cfg.importance_sampling_mode,
-                                   cfg.importance_sampling_cap)
-        surr = surr * w
+    surr, w_raw = _weighted(torch.minimum(s * a, clipped * a).expand_as(logp), old_logp, sampling_logp, m, cfg)
     per_tok, k3 = add_kl(-surr, logp, ref_logp, m, cfg.kl_beta)  # (B, T)
     loss = aggregate(per_tok, m, cfg.loss_type, norm)
     ratio = s.detach().expand_as(logp)  # (B, T)
@@ -371,12 +406,7 @@ def cispo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, a
     eps_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     ratio = torch.exp(logp - old_logp).detach()  # (B, T)
     weight = ratio.clamp(max=1.0 + eps_high)  # (B, T) sg(clip(ratio, max=1 + eps_high))
-    pg = weight * a * logp  # (B, T)
-    w_raw = None
-    if sampling_logp is not None:
-        w_raw, w = mismatch_weight(old_logp, sampling_logp, m, cfg.importance_sampling_mode,
-                                   cfg.importance_sampling_cap)
-        pg = pg * w
+    pg, w_raw = _weighted(weight * a * logp, old_logp, sampling_logp, m, cfg)  # (B, T)
     per_tok, k3 = add_kl(-pg, logp, ref_logp, m, cfg.kl_beta)  # (B, T)
     loss = aggregate(per_tok, m, cfg.loss_type, norm)
     stats = token_stats(ratio, m, torch.zeros_like(m), ratio > 1.0 + eps_high, k3, w_raw, cfg.importance_sampling_cap)

@@ -281,7 +281,8 @@ class LossConfig:
     advantage: str = "grpo"
     """The advantage estimator (:mod:`grpo_kit.algorithms`): ``grpo`` (group mean and std per
     adv_scale), ``dr_grpo`` (group mean only), ``rloo`` (leave-one-out mean), ``reinforce_pp`` (group
-    mean, then whitened over the batch), a name registered with ``register_advantage``, or
+    mean, then whitened over the batch), ``reinforce_pp_global`` (no group mean: the rewards whitened
+    over the batch), a name registered with ``register_advantage``, or
     ``module:qualname``."""
 
     def __post_init__(self) -> None:

@@ -219,7 +219,7 @@ def drift_data(records: Sequence[Record]) -> list[Arrays]:
                                               "is_capped_frac", "kl_mean")),
         _band_data(records, lambda r: r.get("is_min"), lambda r: r.get("is_max")),
         _xy(series(records, "is_mean")),
-        *(_xy(series(records, k)) for k in ("mismatch_kl", "mismatch_far_frac")),
+        *(_xy(series(records, k)) for k in ("mismatch_kl", "mismatch_far_frac", "base_mismatch_kl")),
     ]
 
 
@@ -228,15 +228,16 @@ def drift_figure(records: Sequence[Record]) -> go.Figure:
     base model and, with ``old_logp_source="trainer"``, the engine-mismatch weight π_old/π_engine
     (mean, min/max band before the cap) and the share of tokens whose weight was capped; the
     engine/trainer mismatch KL(engine || trainer) beside the KL, and the share of tokens whose engine
-    and trainer log-probs are more than log 2 apart beside the clip fractions."""
-    ratio_band, ratio, clip_low, clip_high, clip, capped, kl, is_band, is_mean, mkl, far = drift_data(records)
+    and trainer log-probs are more than log 2 apart beside the clip fractions; the engine/base KL
+    (``kl_beta > 0``) beside the mismatch KL: a wrong-policy batch has it far below the mismatch KL."""
+    ratio_band, ratio, clip_low, clip_high, clip, capped, kl, is_band, is_mean, mkl, far, bkl = drift_data(records)
     fig = make_subplots(
         rows=4,
         cols=1,
         shared_xaxes=True,
         vertical_spacing=0.06,
         subplot_titles=("importance ratio π/π_old", "clip fraction, weight capped, far tokens",
-                        "KL to base, engine/trainer mismatch KL",
+                        "KL to base, engine/trainer mismatch KL, engine/base KL",
                         "engine mismatch weight π_old/π_engine"),
     )
     fig.add_trace(_band(ratio_band, "ratio min/max", COLORS["ratio"]), row=1, col=1)
@@ -250,6 +251,7 @@ def drift_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(_line(is_mean, "weight mean", COLORS["is_weight"]), row=4, col=1)
     fig.add_trace(_line(mkl, "mismatch KL", COLORS["is_weight"], dash="dot"), row=3, col=1)
     fig.add_trace(_line(far, "mismatch far", COLORS["is_weight"], dash="dot"), row=2, col=1)
+    fig.add_trace(_line(bkl, "engine/base KL", COLORS["kl"], dash="dot"), row=3, col=1)
     _style(fig, "Off-policy drift", 860)
     fig.update_xaxes(title_text="iteration", row=4, col=1)
     return fig

@@ -31,6 +31,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ from .adapters import AdapterStore
 from .config import Config
 from .episode import EpisodePlan
 from .gang import TrainerGang, batch_of
-from .metrics import Batch, Step, iteration_record, run_summary
+from .metrics import Batch, Step, WrongPolicyWarning, iteration_record, run_summary, wrong_policy_warning
 from .models import resolve_model
 from .records import MetricsRecord, append_jsonl, run_files, samples_of, write_jsonl
 from .retention import Pruner
@@ -515,6 +516,9 @@ class _Driver:
         # path (dispatch, I/O, callbacks), unlike iter_s which ends when the record is complete
         self.state["grpo_wall_s"] = self.wall_base + (time.time() - self.session_start)
         rec["grpo_wall_s"] = self.state["grpo_wall_s"]
+        message = wrong_policy_warning(rec, self.records[-1] if self.records else None)
+        if message:
+            warnings.warn(message, WrongPolicyWarning, stacklevel=2)
         self.records.append(rec)
         append_jsonl(self.metrics_path, [rec])
         self.state["next_iteration"] = rec["iteration"] + 1

@@ -127,6 +127,10 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
             "mismatch_kl": finite(stats.get("mismatch_kl")),
             "mismatch_far_frac": finite(stats.get("mismatch_far_frac")),
             "sampled_nll": finite(stats.get("sampled_nll")),
+            "base_mismatch_kl": finite(stats.get("base_mismatch_kl")),
+            # the oldest version the batch claims: the trainer's before the step, minus the largest lag
+            "wrong_policy": wrong_policy(finite(stats.get("mismatch_kl")), finite(stats.get("base_mismatch_kl")),
+                                         version - step.trained - lag, lag),
             "grad_norm": stats.get("grad_norm"),
             "tokens": stats.get("tokens"),
             "samples_nonzero_adv": stats.get("samples_nonzero_adv"),
@@ -214,6 +218,51 @@ def reward_metric_means(results: list[dict]) -> dict[str, float]:
     return {name: sum(vs) / len(vs) for name, vs in values.items() if vs}
 
 
+WRONG_POLICY_MIN_KL = 1e-3
+"""Below this ``mismatch_kl`` (mean k3 nats per token) the engine is as close to the trainer as
+:func:`wrong_policy` needs to say nothing, whatever it is closer to."""
+WRONG_POLICY_RATIO = 0.25
+""":func:`wrong_policy` flags a batch whose engine/base KL is below this share of its engine/trainer KL."""
+
+
+class WrongPolicyWarning(UserWarning):
+    """Rollouts look sampled from another policy than the adapter version they claim (:func:`wrong_policy`)."""
+
+
+def wrong_policy(mismatch_kl: float | None, base_mismatch_kl: float | None, claimed_version: int,
+                 lag: int) -> str | None:
+    """Why a trained batch looks sampled from the base model rather than the adapter version it claims,
+    or None. The failure elsewhere (verl#3821, unsloth#8701): the engine silently samples without
+    the adapter, and training goes on, on the wrong samples.
+
+    The criterion: the engine's log-probs of the sampled tokens are much closer to the base model's
+    than to the trainer's policy, ``base_mismatch_kl < WRONG_POLICY_RATIO * mismatch_kl`` (both the k3
+    KL from the engine, over the trained tokens), where the engine is measurably far from the trainer
+    (``mismatch_kl >= WRONG_POLICY_MIN_KL``). It is decided only where it cannot be the honest case:
+    the claimed version is >= 1 (version 0 IS the base model) and at least as many updates from the
+    base as the trainer is from it (``lag <= claimed_version``: an honest stale batch of an early
+    version could be closer to the base than to a trainer several updates ahead). It needs the base
+    model's log-probs, which the step computes with ``kl_beta > 0`` only (None otherwise: not decided).
+    """
+    if mismatch_kl is None or base_mismatch_kl is None or claimed_version < 1 or lag > claimed_version:
+        return None
+    if mismatch_kl < WRONG_POLICY_MIN_KL or base_mismatch_kl >= WRONG_POLICY_RATIO * mismatch_kl:
+        return None
+    return (f"the engine's log-probs of the sampled tokens match the base model's (KL {base_mismatch_kl:.2e}) far "
+            f"better than the trainer's policy (KL {mismatch_kl:.2e}), {lag} update(s) after version "
+            f"{claimed_version}: the batch looks sampled from the base model, not from the adapter it claims "
+            f"(is the engine applying the LoRA?)")
+
+
+def wrong_policy_warning(rec: MetricsRecord, previous: MetricsRecord | None) -> str | None:
+    """The warning text for ``rec``, once per occurrence: when it is flagged (``wrong_policy``) and
+    the previous record was not; a run of flagged iterations warns at its first (every record keeps
+    its flag)."""
+    if not rec.get("wrong_policy") or (previous is not None and previous.get("wrong_policy")):
+        return None
+    return f"iteration {rec['iteration']} (rollout version {rec['rollout_version']}): {rec['wrong_policy']}"
+
+
 def finite(x):
     """``x``, or None for NaN (a statistic that was not computed)."""
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else x
@@ -250,6 +299,7 @@ def run_summary(state: dict, records: list[MetricsRecord], gang_restarts: int, s
         "clip_fraction": sum(clips) / len(clips) if clips else None,
         "kl_final": kls[-1] if kls else None,
         "rejected_groups": sum(r.get("rejected_groups") or 0 for r in records),  # recovered records lack it
+        "wrong_policy_iterations": sum(bool(r.get("wrong_policy")) for r in records),
         "truncated": sum(r.get("truncated") or 0 for r in records),
         "recovered_records": sum(bool(r.get("recovered")) for r in records),
         "gang_restarts": gang_restarts,

@@ -216,6 +216,11 @@ class MetricsRecord(TypedDict, total=False):
     """Share of those tokens whose engine and trainer log-probs differ by more than log 2."""
     sampled_nll: float | None
     """Mean -logp of the trained tokens under the trainer (an estimate of the per-token entropy)."""
+    base_mismatch_kl: float | None
+    """Mean k3 KL(engine || base model) over the trained tokens (None when ``kl_beta == 0``: no base forward)."""
+    wrong_policy: str | None
+    """Why the batch looks sampled from the base model rather than the version it claims
+    (:func:`grpo_kit.metrics.wrong_policy`), or None; the driver warns once per run of such iterations."""
     grad_norm: float | None
     """Gradient norm before clipping."""
     tokens: int | None

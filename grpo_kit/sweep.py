@@ -7,6 +7,11 @@ injected as papermill parameters, and collects every run's ``summary.json``: the
 The executed notebook goes to ``<out_dir>/<name>.ipynb``, beside its run directory ``<out_dir>/<name>/``;
 the kernel runs in the notebook's directory, as in JupyterLab, so relative paths mean the same.
 
+:func:`sweep_runs` does the same without a notebook: one ``loop.run`` per named point of config
+overrides (each in a child interpreter, as a kernel would be), where a point's ``policy_loss`` or
+``advantage`` may be a function from a notebook cell; :func:`compare_figure` draws such runs side by
+side (held-out accuracy against GRPO wall time, the ratio's spread, clip fraction, mismatch KL).
+
 Each execution is a Dask task: on the given client, or on a ``LocalCluster`` of ``max_parallel``
 worker processes started for the sweep. Those are non-daemonic, as in :func:`grpo_kit.cluster.connect`:
 the kernel papermill starts is an ordinary subprocess (it starts the run's own LocalCluster), but a
@@ -33,7 +38,7 @@ from distributed import Client, LocalCluster, as_completed
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from .records import run_files
+from .records import read_json, read_jsonl, run_files
 
 METRICS = ("acc_after", "kl_final", "clip_fraction", "grpo_wall_s")
 """summary.json keys :func:`sweep_figure` compares by default."""
@@ -139,6 +144,28 @@ def sweep(
         for name, point in zip(names, points, strict=True)
     ]
 
+    def submit(client: Client, job: dict):
+        return client.submit(
+            run_point,
+            str(notebook),
+            job["notebook"],
+            job["params"],
+            str(notebook.parent),
+            kernel_name,
+            key=f"sweep-{job['name']}-{uuid.uuid4().hex[:8]}",
+            pure=False,
+        )
+
+    results = _on_cluster(client, jobs, submit, max_parallel)
+    failed = [r for r in results if r["error"]]
+    if failed and raise_errors:
+        lines = "\n".join(f"  {r['name']}: {r['error']} (see {r['notebook']})" for r in failed)
+        raise SweepError(f"{len(failed)} of {len(results)} grid points failed:\n{lines}", results)
+    return results
+
+
+def _on_cluster(client, jobs: list[dict], submit, max_parallel: int) -> list[dict]:
+    """:func:`_execute` on ``client``, or on a LocalCluster of non-daemonic workers started for it."""
     with dask.config.set({"distributed.worker.daemon": False}):
         own = client is None
         if own:
@@ -152,37 +179,23 @@ def sweep(
             )
             client = Client(cluster)
         try:
-            results = _execute(client, jobs, notebook, kernel_name, max_parallel)
+            return _execute(client, jobs, submit, max_parallel)
         finally:
             if own:
                 client.close()
                 cluster.close()
 
-    failed = [r for r in results if r["error"]]
-    if failed and raise_errors:
-        lines = "\n".join(f"  {r['name']}: {r['error']} (see {r['notebook']})" for r in failed)
-        raise SweepError(f"{len(failed)} of {len(results)} grid points failed:\n{lines}", results)
-    return results
 
-
-def _execute(client: Client, jobs: list[dict], notebook: Path, kernel_name: str, max_parallel: int) -> list[dict]:
-    """Submit the jobs, keeping at most ``max_parallel`` in flight; results in job order."""
+def _execute(client: Client, jobs: list[dict], submit, max_parallel: int) -> list[dict]:
+    """Submit the jobs (``submit(client, job)`` -> a future), keeping at most ``max_parallel`` in
+    flight; results in job order."""
     waiting = list(enumerate(jobs))[::-1]
     running = as_completed()
     job_of = {}
 
     def launch() -> None:
         i, job = waiting.pop()
-        fut = client.submit(
-            run_point,
-            str(notebook),
-            job["notebook"],
-            job["params"],
-            str(notebook.parent),
-            kernel_name,
-            key=f"sweep-{job['name']}-{uuid.uuid4().hex[:8]}",
-            pure=False,
-        )
+        fut = submit(client, job)
         job_of[fut.key] = i
         running.add(fut)
 
@@ -200,6 +213,229 @@ def _execute(client: Client, jobs: list[dict], notebook: Path, kernel_name: str,
         if waiting:
             launch()
     return results
+
+
+# ---------------------------------------------------------------- runs of configs (no notebook)
+
+
+def run_config(spec: bytes, run_dir: str) -> dict[str, Any]:
+    """One ``loop.run`` of a cloudpickled ``{"profile", "params", "policy_loss", "advantage"}`` (the
+    Dask task of :func:`sweep_runs`), in a child interpreter as papermill's kernel would be: the run
+    starts its own LocalCluster in that child's main thread. Its output goes to ``<run_dir>.log``;
+    returns the run's summary, records and timings, ``error`` set when the child failed."""
+    import subprocess
+    import sys
+
+    run_path = Path(run_dir)
+    run_path.mkdir(parents=True, exist_ok=True)
+    spec_path = run_path / "sweep_spec.pkl"
+    spec_path.write_bytes(spec)
+    log = run_path.with_name(run_path.name + ".log")
+    start = time.time()
+    with open(log, "w") as out:
+        proc = subprocess.run(
+            [sys.executable, "-m", "grpo_kit.sweep", str(spec_path)], stdout=out, stderr=subprocess.STDOUT, check=False
+        )
+    end = time.time()
+    error = None
+    if proc.returncode != 0:
+        tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        error = f"exit {proc.returncode}: {tail[-1] if tail else 'no output'} (see {log})"
+    files = run_files(run_dir)
+    summary = read_json(files.summary) if error is None else {}
+    if error is None and not summary:
+        error = f"the run finished but wrote no {files.summary}"
+    return {
+        "summary": summary,
+        "records": read_jsonl(files.metrics),
+        "error": error,
+        "start": start,
+        "end": end,
+        "wall_s": end - start,
+        "log": str(log),
+    }
+
+
+def _run_spec(spec_path: str) -> None:
+    """The child of :func:`run_config`: the run of one point."""
+    import shutil
+
+    import cloudpickle
+
+    from . import config, loop
+
+    spec = cloudpickle.loads(Path(spec_path).read_bytes())
+    cfg = config.profile(spec["profile"], **spec["params"])
+    if cfg.run.store_url is None:
+        shutil.rmtree(cfg.run.store_root, ignore_errors=True)  # a point is run afresh (a re-run sweep)
+    loop.run(cfg, progress=False, policy_loss=spec["policy_loss"], advantage=spec["advantage"])
+
+
+PLUGINS = ("policy_loss", "advantage")
+"""Config fields a :func:`sweep_runs` point may set to a function instead of a name."""
+
+
+def sweep_runs(
+    runs: Mapping[str, Mapping[str, Any]],
+    profile: str = "tiny",
+    base_params: Mapping[str, Any] | None = None,
+    out_dir: str | os.PathLike = "runs/sweep",
+    *,
+    client=None,
+    max_parallel: int | None = None,
+    raise_errors: bool = True,
+    shared_cluster: bool = False,
+) -> list[dict[str, Any]]:
+    """One ``loop.run`` per named point, at most ``max_parallel`` at a time, as Dask tasks.
+
+    ``shared_cluster``: the runs go one after another to ONE cluster of the profile's rollout and
+    trainer workers, started here (each run still builds its own engines and trainer ranks; the
+    worker processes and their imports are paid once), instead of a LocalCluster per run.
+
+    ``runs`` maps a file-name-safe name to config overrides applied over ``base_params`` on
+    ``profile`` (``{"gspo": {"policy_loss": "gspo"}, "rloo": {"advantage": "rloo"}}``); a point's
+    ``policy_loss`` or ``advantage`` may be a function (a notebook cell's), which travels to the run by
+    cloudpickle as ``loop.run(..., policy_loss=fn)`` takes it. Every point is validated before any
+    runs. Returns what :func:`sweep` returns (``point`` with a function given as ``module:qualname``),
+    plus each run's ``records`` (its ``metrics.jsonl``) and ``log`` (the run's output).
+    """
+    import cloudpickle
+
+    from . import algorithms, config
+
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    base = dict(base_params or {})
+    jobs = []
+    for name, overrides in runs.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", name or ""):
+            raise ValueError(f"run name {name!r} is not file-name safe (letters, digits, _ . = + -)")
+        params = {**base, **overrides, "run_dir": str(out / name)}
+        fns = {k: params.pop(k) for k in PLUGINS if callable(params.get(k))}
+        named = {**params, **{k: algorithms.reference(fn) for k, fn in fns.items()}}
+        config.profile(profile, **named)  # a bad value stops here, before any run
+        spec = cloudpickle.dumps(
+            {
+                "profile": profile,
+                "params": params,
+                "policy_loss": fns.get("policy_loss"),
+                "advantage": fns.get("advantage"),
+            }
+        )
+        jobs.append(
+            {
+                "name": name,
+                "point": {k: named[k] for k in overrides},
+                "params": named,
+                "spec": spec,
+                "run_dir": str(out / name),
+            }
+        )
+    if not jobs:
+        raise ValueError("runs is empty")
+    max_parallel = default_parallelism() if max_parallel is None else max_parallel
+    if max_parallel < 1:
+        raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
+    grpo_client = None
+    if shared_cluster:  # one run at a time per cluster (a run registers its engines on every rollout worker)
+        from . import cluster
+
+        c = config.profile(profile, **jobs[0]["params"]).cluster
+        grpo_client = cluster.connect(
+            n_rollout_workers=c.n_rollout_workers,
+            n_trainer_workers=c.world_size,
+            n_reward_workers=c.n_reward_workers,
+            threads_per_worker=c.threads_per_worker,
+            quiet=True,
+        )
+        max_parallel = 1
+        for job in jobs:
+            spec = cloudpickle.loads(job["spec"])
+            spec["params"]["scheduler_address"] = grpo_client.scheduler.address
+            job["spec"] = cloudpickle.dumps(spec)
+
+    def submit(client: Client, job: dict):
+        return client.submit(
+            run_config, job["spec"], job["run_dir"], key=f"run-{job['name']}-{uuid.uuid4().hex[:8]}", pure=False
+        )
+
+    try:
+        results = _on_cluster(client, jobs, submit, max_parallel)
+    finally:
+        if grpo_client is not None:
+            cluster.shutdown(grpo_client)
+    for r in results:
+        r.pop("spec", None)
+        r.setdefault("records", [])
+    failed = [r for r in results if r["error"]]
+    if failed and raise_errors:
+        lines = "\n".join(f"  {r['name']}: {r['error']}" for r in failed)
+        raise SweepError(f"{len(failed)} of {len(results)} runs failed:\n{lines}", results)
+    return results
+
+
+def accuracy_curve(records: Sequence[Mapping[str, Any]], acc_before: float | None = None) -> list[tuple[float, float]]:
+    """``(GRPO wall seconds, held-out accuracy)`` of a run: each evaluation at the loop's wall time of
+    the iteration it finished in (the final one lands on the last record), the base model's at 0."""
+    pts = [(0.0, acc_before)] if acc_before is not None else []
+    return pts + [
+        (r["grpo_wall_s"], r["eval_acc"])
+        for r in records
+        if _is_num(r.get("eval_acc")) and _is_num(r.get("grpo_wall_s"))
+    ]
+
+
+def time_to(records: Sequence[Mapping[str, Any]], target: float) -> float | None:
+    """The GRPO wall time at which a run's held-out accuracy first reached ``target`` (None: never)."""
+    return next((t for t, acc in accuracy_curve(records) if acc >= target), None)
+
+
+COMPARE_SERIES = ("ratio_std", "clip_frac", "mismatch_kl")
+"""Per-iteration record keys :func:`compare_figure` draws beside the accuracy curve."""
+
+
+def compare_figure(results: Sequence[Mapping[str, Any]], series_keys: Sequence[str] = COMPARE_SERIES) -> go.Figure:
+    """Runs of :func:`sweep_runs` side by side: held-out accuracy against GRPO wall time, then one
+    panel per record key against the iteration; one color per run, failed runs left out."""
+    ok = [r for r in results if not r.get("error")]
+    titles = ["held-out accuracy vs GRPO wall time (s)", *(f"{k} per iteration" for k in series_keys)]
+    fig = make_subplots(rows=1, cols=len(titles), subplot_titles=titles, horizontal_spacing=0.06)
+    palette = qualitative.Plotly
+    for g, r in enumerate(ok):
+        color, recs = palette[g % len(palette)], r.get("records") or []
+        curve = accuracy_curve(recs, r["summary"].get("acc_before"))
+        acc_xy = tuple(list(c) for c in zip(*curve, strict=True)) if curve else ([], [])
+        lines = [acc_xy] + [
+            (
+                [rec.get("iteration") for rec in recs if _is_num(rec.get(k))],
+                [rec[k] for rec in recs if _is_num(rec.get(k))],
+            )
+            for k in series_keys
+        ]
+        for col, (xs, ys) in enumerate(lines):
+            fig.add_trace(
+                go.Scatter(
+                    x=list(xs),
+                    y=list(ys),
+                    mode="lines+markers",
+                    name=r["name"],
+                    legendgroup=r["name"],
+                    showlegend=col == 0,
+                    marker=dict(color=color, size=6),
+                    line=dict(color=color),
+                ),
+                row=1,
+                col=col + 1,
+            )
+    fig.update_layout(
+        title=f"{len(ok)} of {len(results)} runs",
+        template="plotly_white",
+        height=380,
+        width=max(600, 330 * len(titles)),
+        legend=dict(orientation="h", yanchor="bottom", y=1.1, xanchor="right", x=1),
+        margin=dict(l=50, r=30, t=90, b=50),
+    )
+    return fig
 
 
 def table(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -267,3 +503,9 @@ def sweep_figure(
         margin=dict(l=50, r=30, t=90, b=50),
     )
     return fig
+
+
+if __name__ == "__main__":  # run_config's child: python -m grpo_kit.sweep <spec.pkl>
+    import sys
+
+    _run_spec(sys.argv[1])

@@ -337,7 +337,9 @@ def grpo_step(
     log-probs and this step's forward: staleness included when the batch is off-policy),
     ``mismatch_far_frac`` (the share of those tokens whose two log-probs differ by more than
     :data:`~grpo_kit.loss.MISMATCH_FAR`), ``sampled_nll`` (their mean ``-logp`` under the trainer: an
-    estimate of the per-token entropy; all three None when no token was trained),
+    estimate of the per-token entropy; all three None when no token was trained), ``base_mismatch_kl``
+    (k3 KL(engine || base model) over the same tokens, from the reference forward: None when
+    ``kl_beta == 0``, which runs none),
     ``tokens`` (the batch's scored completion tokens), ``tokens_trained`` (those of the rows trained: fewer
     when ``kl_beta == 0`` skips rows with advantage 0), ``samples``, ``samples_nonzero_adv``.
     ``policy_loss``: the loss function (the contract in :mod:`grpo_kit.algorithms`); None takes the
@@ -391,7 +393,7 @@ def grpo_step(
     trainer_old = loss_cfg.old_logp_source == "trainer"
     correct = trainer_old and loss_cfg.importance_sampling_correction
     stats = LossStats.empty(device, kl=loss_cfg.kl_beta > 0, is_weight=correct)
-    diag = torch.zeros(3, dtype=f64, device=device)  # engine/trainer k3, far tokens, -logp (loss.mismatch_sums)
+    diag = torch.zeros(4, dtype=f64, device=device)  # engine/trainer k3, far tokens, -logp (loss.mismatch_sums); engine/base k3
     with model.no_sync() if distributed else contextlib.nullcontext():
         for i in range(0, len(shard), optim_cfg.micro_batch):
             mb = shard[i : i + optim_cfg.micro_batch].trim()
@@ -419,7 +421,9 @@ def grpo_step(
             (loss * world_size).backward()
             loss_sum += loss.detach().to(f64)
             stats = stats + st
-            diag += mismatch_sums(logp, mb.old_logp, mb.completion_mask)  # old_logp: the engine's, always
+            diag[:3] += mismatch_sums(logp, mb.old_logp, mb.completion_mask)  # old_logp: the engine's, always
+            if ref_logp is not None:  # how close the engine's samples are to the base model's (loop: wrong policy)
+                diag[3] += mismatch_sums(ref_logp, mb.old_logp, mb.completion_mask)[0]
 
     # (3) the one synchronizing backward, identical on every rank. The 1-token forward need not
     # reach every trainable parameter (an expert its router skips, any conditionally run module):
@@ -437,12 +441,12 @@ def grpo_step(
     optimizer.zero_grad(set_to_none=True)
 
     sums, maxes = stats.pack()
-    sums = torch.cat([sums, diag, loss_sum.reshape(1)])  # (12,): the same all-reduce carries the diagnostics
+    sums = torch.cat([sums, diag, loss_sum.reshape(1)])  # (13,): the same all-reduce carries the diagnostics
     if distributed:
         torch.distributed.all_reduce(sums, group=pg)
         torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=pg)
-    summary = LossStats.unpack(sums[:-4], maxes).summary()
-    k3_sum, far_count, nll_sum = sums[-4:-1].tolist()
+    summary = LossStats.unpack(sums[:-5], maxes).summary()
+    k3_sum, far_count, nll_sum, base_k3_sum = sums[-5:-1].tolist()
     trained = summary["tokens"]
     return {
         "loss": float(sums[-1]),
@@ -450,6 +454,7 @@ def grpo_step(
         "mismatch_kl": k3_sum / trained if trained else None,
         "mismatch_far_frac": far_count / trained if trained else None,
         "sampled_nll": nll_sum / trained if trained else None,
+        "base_mismatch_kl": base_k3_sum / trained if trained and loss_cfg.kl_beta > 0 else None,
         "tokens": float(n_tokens),
         "tokens_trained": summary["tokens"],
         "grad_norm": grad_norm,

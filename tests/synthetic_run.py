@@ -58,6 +58,8 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "mismatch_kl": 2e-4 * i,
                 "mismatch_far_frac": 0.001 * i,
                 "sampled_nll": 1.5,
+                "base_mismatch_kl": 1e-4 * i,
+                "wrong_policy": None,
                 "grad_norm": 0.5,
                 "tokens": 4000 + i,
                 "samples_nonzero_adv": 60,

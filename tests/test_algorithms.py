@@ -287,6 +287,24 @@ def test_all_flat_groups_give_exactly_zero(name):
     assert (compute_advantages(algorithms.advantage(name), rewards, 6, LossConfig()) == 0).all()
 
 
+def test_reinforce_pp_global_baseline_matches_the_naive_reference():
+    """No group mean: the batch's rewards whitened, so a flat group carries its reward's signal against
+    the batch (the contract's exception); only a batch without any spread gets 0."""
+    G = 3
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.5, 0.2, 0.9, 0.4], dtype=F64)
+    got = compute_advantages(algorithms.advantage("reinforce_pp_global"), rewards, G, LossConfig())
+    r = rewards.tolist()
+    mean = math.fsum(r) / len(r)
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in r) / (len(r) - 1))  # unbiased, as torch.std
+    assert got.dtype == F64 and got.tolist() == pytest.approx([(v - mean) / (sd + 1e-8) for v in r], rel=1e-12, abs=1e-12)
+    assert (got[:3] > 0).all() and (got[3:6] < 0).all()  # the all-right group pushed up, the all-wrong one down
+    assert torch.equal(got, algorithms.advantage("reinforce_pp_global")(rewards, G, LossConfig()))
+    flat = torch.full((2 * G,), 0.7, dtype=F64)  # its float mean is not exactly 0.7
+    assert (compute_advantages(algorithms.advantage("reinforce_pp_global"), flat, G, LossConfig()) == 0).all()
+    with pytest.raises(ValueError, match="whole groups"):
+        algorithms.advantage("reinforce_pp_global")(rewards[:5], G, LossConfig())
+
+
 def test_named_advantages_are_what_adv_scale_does():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.9], dtype=F64)
     cfg = LossConfig(adv_scale="batch")

@@ -25,7 +25,8 @@ EXPECTED = {
         "held-out maj@k",
     },
     "drift": {"ratio min/max", "ratio mean", "clip low", "clip high", "clip total", "KL", "weight capped",
-              "weight min/max", "weight mean", "mismatch KL", "mismatch far"},
+              "weight min/max", "weight mean", "mismatch KL", "mismatch far",
+              "engine/base KL"},
     "staleness": {"staleness max", "staleness mean", "rejected groups"},
     "rewards": {"total (weighted)", "reward errors"},  # plus one trace per component the records name
     "timeline": {"generate", "train", "publish", "eval"},
@@ -141,6 +142,11 @@ def test_drift_shows_the_engine_mismatch_weight_apart_from_the_ratio():
     assert list(trace(fig, "mismatch KL").y) == [r["mismatch_kl"] for r in recs]
     assert list(trace(fig, "mismatch far").y) == [r["mismatch_far_frac"] for r in recs]
     assert trace(fig, "mismatch KL").yaxis == "y3" and trace(fig, "mismatch far").yaxis == "y2"
+    # the engine/base KL (the wrong-policy check's) in the KL panel; None (kl_beta == 0) draws nothing
+    assert list(trace(fig, "engine/base KL").y) == [r["base_mismatch_kl"] for r in recs]
+    assert trace(fig, "engine/base KL").yaxis == "y3"
+    no_base = figures.drift_figure([{**r, "base_mismatch_kl": None} for r in recs])
+    assert len(trace(no_base, "engine/base KL").x) == 0
     # the default mode (ratio against the engine's log-probs) records no weight: those traces stay empty
     engine_mode = [{**r, "is_mean": None, "is_min": None, "is_max": None, "is_capped_frac": None} for r in recs]
     fig = figures.drift_figure(engine_mode)

@@ -13,6 +13,7 @@ import platform
 import signal
 import threading
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pytest
 from grpo_kit import cluster as cl
 from grpo_kit import config, gang, loop, records, remote, tasks
 from grpo_kit.adapters import AdapterStore
+from grpo_kit.metrics import WrongPolicyWarning
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -112,7 +114,14 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     through_driver = _watch_driver(client, monkeypatch)
     sums4 = tasks.resolve("synthetic", n_digits=4)  # another held-out set (eval_sets), 4 problems to keep it cheap
     sums4 = dataclasses.replace(sums4, problems=lambda split, n, seed, t=sums4: t.problems(split, 4, seed))
-    res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False, eval_sets={"sums4": sums4})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = loop.run(cfg, client=client, callbacks=[seen.append], progress=False, eval_sets={"sums4": sums4})
+    # the engines sampled with the adapters they claim: the wrong-policy check ran (kl_beta > 0, and
+    # iterations 2-3 are one update behind a version >= 1) and said nothing
+    assert not [w for w in caught if issubclass(w.category, WrongPolicyWarning)]
+    assert all(r["base_mismatch_kl"] > 0 and r["wrong_policy"] is None for r in res.records[2:])
+    assert res.summary["wrong_policy_iterations"] == 0
     # token ids and log-probs went from the rollout workers to both ranks, not through the driver
     assert cfg.cluster.world_size == 2 and any(name == "gather" for name, _ in through_driver)
     assert [name for name, x in through_driver if _numeric_lists(x)] == []

@@ -212,3 +212,88 @@ def test_other_eval_sets_are_summarized_apart_from_the_tasks_own():
     assert summary["eval_sets"] == {"gsm8k": {"acc_before": 0.7, "acc_after": 0.9,
                                               "lenient_acc_before": 0.8, "lenient_acc_after": 1.0}}
     assert "eval_sets" not in run_summary({**state, "evals": evals[::2]}, records, 0, None, {}, None)
+
+
+# ----------------------------------------------------------------------------- the wrong-policy warning
+
+
+@pytest.mark.parametrize(
+    ("mismatch_kl", "base_kl", "claimed", "lag", "flagged"),
+    [
+        (0.05, 1e-7, 3, 0, True),  # sampled from the base: the engine is the base model, far from the policy
+        (0.05, 0.01, 3, 1, True),  # closer to the base by 5x (a partly applied adapter reads the same)
+        (2e-7, 0.05, 3, 0, False),  # on-policy: the engine is the trainer, far from the base
+        (0.05, 0.05, 3, 1, False),  # stale, as far from the base as from the trainer: honest
+        (5e-4, 1e-7, 3, 0, False),  # too close to the trainer to tell (the adapter has barely moved)
+        (0.05, 1e-7, 0, 0, False),  # version 0 is the base model: nothing to tell apart
+        (0.05, 1e-7, 1, 2, False),  # an early version, two updates behind: an honest batch can look like this
+        (0.05, None, 3, 0, False),  # kl_beta == 0: no base log-probs, not decided
+        (None, None, 3, 0, False),  # nothing trained
+    ],
+)
+def test_wrong_policy_criterion(mismatch_kl, base_kl, claimed, lag, flagged):
+    from grpo_kit.metrics import wrong_policy
+
+    reason = wrong_policy(mismatch_kl, base_kl, claimed, lag)
+    assert (reason is not None) is flagged
+    if flagged:
+        assert "base model" in reason and f"version {claimed}" in reason
+
+
+def test_wrong_policy_warns_once_per_run_of_flagged_iterations():
+    from grpo_kit.metrics import wrong_policy_warning
+
+    flags = [None, "x", "x", None, "y", None]
+    recs = [{"iteration": i, "rollout_version": i, "wrong_policy": f} for i, f in enumerate(flags)]
+    msgs = [wrong_policy_warning(r, recs[i - 1] if i else None) for i, r in enumerate(recs)]
+    assert [m is not None for m in msgs] == [False, True, False, False, True, False]
+    assert msgs[1].startswith("iteration 1 (rollout version 1): x") and msgs[4].endswith(": y")
+
+
+@pytest.fixture(scope="module")
+def tiny_v1(tmp_path_factory):
+    """The tiny model's path, a store holding a non-trivial adapter as version 1, and that policy as
+    the trainer holds it (trainable)."""
+    from grpo_kit import tiny
+    from grpo_kit.adapters import AdapterStore
+    from grpo_kit.testing import perturbed_adapter
+
+    path = str(tiny.ensure_tiny_model())
+    store = AdapterStore(str(tmp_path_factory.mktemp("store")))
+    model = perturbed_adapter(path, seed=1)
+    store.publish(model, 1)
+    return path, store, model
+
+
+@pytest.mark.parametrize("sampled_from", [0, 1])
+def test_a_batch_sampled_from_the_base_while_claiming_version_1_is_flagged(tiny_v1, sampled_from):
+    """The real case on the tiny model: the HF engine samples at version 0 (the base) or 1, the trainer's
+    step holds version 1 (kl_beta > 0, so it computes the base log-probs too); the record's criterion
+    flags the base-sampled batch, claimed as version 1, and not the honest one."""
+    from grpo_kit import data
+    from grpo_kit.config import LossConfig, OptimConfig
+    from grpo_kit.metrics import wrong_policy
+    from grpo_kit.rollout import HFEngine
+    from grpo_kit.train_step import collate, grpo_step
+
+    path, store, model = tiny_v1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small: spinning OpenMP workers on a shared CPU cost more than they give
+    try:
+        engine = HFEngine(path, store=store)
+        rollouts = engine.generate(data.synthetic_problems(4, split="train", seed=0), 4, sampled_from,
+                                   max_new_tokens=24, seed=1)
+        engine.close()
+        batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, (-1.0) ** i, r.mask)
+                         for i, r in enumerate(rollouts)], pad_id=0)
+        stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=0.0), batch, LossConfig(kl_beta=0.02),
+                          OptimConfig())
+    finally:
+        torch.set_num_threads(threads)
+    reason = wrong_policy(stats["mismatch_kl"], stats["base_mismatch_kl"], claimed_version=1, lag=0)
+    if sampled_from == 0:  # the engine's log-probs are the base model's, to float rounding
+        assert stats["base_mismatch_kl"] < 1e-6 < 1e-3 < stats["mismatch_kl"]
+        assert reason is not None and "sampled from the base model" in reason
+    else:  # on-policy: the engine's log-probs are the trainer's
+        assert stats["mismatch_kl"] < 1e-6 < 1e-3 < stats["base_mismatch_kl"]
+        assert reason is None

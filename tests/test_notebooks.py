@@ -29,7 +29,8 @@ TINY = {"iterations": 2, "eval_size": 16, "prompts_per_step": 4, "group_size": 4
 HF = {**TINY, "engine": "hf"}
 SUMMARY_KEYS = ("acc_before", "acc_after", "grpo_wall_s", "iterations", "ratio_mean", "clip_fraction", "kl_final")
 NOTEBOOK_ONLY = {"profile", "resume", "n_samples", "notebook", "grid", "max_parallel", "out_dir", "x", "color", "pin_cpus",
-                 "staleness_ks", "corrections", "n_rows", "brevity_weight", "sample_version"}
+                 "staleness_ks", "corrections", "n_rows", "brevity_weight", "sample_version", "presets", "target",
+                 "shared_cluster"}
 """Parameters that are not config fields; every other parameter name must be one."""
 
 pytestmark = pytest.mark.timeout(900)
@@ -256,6 +257,25 @@ def test_tools_notebook_trains_episodes_with_a_tool_defined_in_a_cell(tmp_path):
     assert '<div class="episode">' in (run_dir / "report.html").read_text()
 
 
+def test_algorithms_notebook_runs_a_builtin_and_a_loss_defined_in_a_cell(tmp_path):
+    """Two runs through sweep.sweep_runs, one iteration each: a built-in loss by name and the cell's
+    dual-clip loss, which reached the trainer ranks by cloudpickle from the kernel."""
+    out_dir = tmp_path / "algos"
+    nb = execute("08_algorithms.ipynb", tmp_path, **{**HF, "iterations": 1, "eval_size": 8}, presets=["cispo"],
+                 eval_every=1, max_parallel=1, out_dir=str(out_dir))
+    assert not error_outputs(nb)
+    for name, loss in (("cispo", "cispo"), ("dual_clip", "__main__:dual_clip")):
+        cfg = json.loads((out_dir / name / "config.json").read_text())
+        assert cfg["loss"]["policy_loss"] == loss and cfg["sampling"]["engine"] == "hf"
+        rec = read_jsonl(out_dir / name / "metrics.jsonl")[0]
+        assert rec["ratio_std"] is not None and rec["mismatch_kl"] is not None  # the step ran the loss
+    assert json.loads((out_dir / "dual_clip" / "summary.json").read_text())["iterations"] == 1
+    table = outputs(nb, "text/html")
+    assert any("dual_clip" in html and "mismatch_kl" in html for html in table)
+    fig = outputs(nb, "application/vnd.plotly.v1+json")
+    assert len(fig) == 1 and {t["name"] for t in fig[0]["data"]} == {"cispo", "dual_clip"}
+
+
 # ----------------------------------------------------------------------------- parameters
 
 
@@ -269,6 +289,7 @@ def test_tools_notebook_trains_episodes_with_a_tool_defined_in_a_cell(tmp_path):
         ("05_sweep.ipynb", {"grid": {"group_size": [4, 1]}}, "ValueError", "group_size must be >= 2"),
         ("06_custom_task.ipynb", {"lr": -1.0}, "ValueError", "lr must be > 0"),
         ("07_tools.ipynb", {"max_turns": 0}, "ValueError", "max_turns must be >= 1"),
+        ("08_algorithms.ipynb", {"presets": ["grpo", "ppo"]}, "ValueError", "unknown algorithm(s) ['ppo']"),
     ],
 )
 def test_a_bad_parameter_stops_in_the_derived_values_cell(name, params, ename, message, tmp_path):

@@ -196,3 +196,41 @@ def test_quickstart_sweep_runs_two_points_in_parallel(tmp_path):
     assert _overlap(*results)
     fig = sweep.sweep_figure(results, "lr")
     assert [len(t.x) for t in fig.data] == [2] * len(sweep.METRICS)
+
+
+# ----------------------------------------------------------------------------- runs of configs
+
+
+def test_sweep_runs_validates_every_point_before_any_runs(tmp_path):
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        sweep.sweep_runs({"ok": {}, "bad": {"group_size": 1}}, "tiny", {}, tmp_path, client=object())
+    with pytest.raises(ValueError, match="policy_loss must be one of"):
+        sweep.sweep_runs({"typo": {"policy_loss": "gpso"}}, "tiny", {}, tmp_path, client=object())
+    with pytest.raises(ValueError, match="not file-name safe"):
+        sweep.sweep_runs({"a/b": {}}, "tiny", {}, tmp_path, client=object())
+    assert not list(tmp_path.iterdir())  # nothing ran (the client is never used)
+
+
+def _run(name, curve, acc_before=0.25):
+    recs = [{"iteration": i, "grpo_wall_s": t, "eval_acc": a, "ratio_std": 0.01 * i, "clip_frac": None,
+             "mismatch_kl": 1e-3} for i, (t, a) in enumerate(curve)]
+    return {"name": name, "point": {}, "summary": {"acc_before": acc_before}, "records": recs, "error": None}
+
+
+def test_accuracy_curve_and_time_to_target():
+    run = _run("a", [(1.0, None), (2.5, 0.5), (4.0, 0.95), (6.0, 0.9)])
+    assert sweep.accuracy_curve(run["records"], 0.25) == [(0.0, 0.25), (2.5, 0.5), (4.0, 0.95), (6.0, 0.9)]
+    assert sweep.time_to(run["records"], 0.9) == 4.0  # the first evaluation at or past the target
+    assert sweep.time_to(run["records"], 0.99) is None
+
+
+def test_compare_figure_draws_each_run_in_every_panel_and_skips_failures():
+    results = [_run("grpo", [(1.0, 0.5), (2.0, 0.9)]), _run("gspo", [(1.5, 0.6)]),
+               {**_run("cispo", []), "error": "boom"}]
+    fig = sweep.compare_figure(results)
+    assert len(fig.data) == 2 * (1 + len(sweep.COMPARE_SERIES))
+    acc = {t.name: (list(t.x), list(t.y)) for t in fig.data if t.xaxis == "x"}
+    assert acc == {"grpo": ([0.0, 1.0, 2.0], [0.25, 0.5, 0.9]), "gspo": ([0.0, 1.5], [0.25, 0.6])}
+    clip = [t for t in fig.data if t.xaxis == "x3"]
+    assert [list(t.y) for t in clip] == [[], []]  # no iteration measured a clip fraction
+    assert "2 of 3 runs" in fig.layout.title.text
