@@ -29,6 +29,7 @@ import os
 import statistics
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
 
@@ -54,11 +55,21 @@ def load() -> str:
 def samples_for(cfg: config.Config, path: str, synthetic: bool, seed: int = 0) -> list[tuple]:
     s = cfg.sampling
     problems = data.synthetic_problems(s.prompts_per_step, split="train", seed=seed, n_digits=cfg.data.n_digits)
-    engine = HFEngine(path, **HFEngine.options(cfg, prompt_format(cfg)))
-    rollouts = engine.generate(problems, s.group_size, 0, max_new_tokens=s.max_new_tokens,
-                               temperature=s.temperature, seed=seed)
+    if synthetic:  # the prompts only: no sampling
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        fmt = prompt_format(cfg)
+        rollouts = [SimpleNamespace(prompt_ids=fmt.encode(tok, p.question), completion_ids=[], logprobs=[])
+                    for p in problems for _ in range(s.group_size)]
+        vocab = len(tok)
+    else:
+        engine = HFEngine(path, **HFEngine.options(cfg, prompt_format(cfg)))
+        rollouts = engine.generate(problems, s.group_size, 0, max_new_tokens=s.max_new_tokens,
+                                   temperature=s.temperature, seed=seed)
+        vocab = len(engine.tokenizer)
+        del engine
     g = torch.Generator().manual_seed(seed)
-    vocab = len(engine.tokenizer)
     out = []
     for r in rollouts:
         comp, lp = list(r.completion_ids), list(r.logprobs)
@@ -68,7 +79,6 @@ def samples_for(cfg: config.Config, path: str, synthetic: bool, seed: int = 0) -
             lp = [-5.0] * n
         adv = float(torch.randn((), generator=g)) or 0.5
         out.append((list(r.prompt_ids), comp, lp, adv))
-    del engine
     return out
 
 
@@ -95,7 +105,7 @@ def max_dlogp(model, batch, optim: config.OptimConfig, temperature: float) -> fl
     return worst
 
 
-def bench_profile(name: str, rounds: int, budgets: list[int], synthetic: bool) -> dict:
+def bench_profile(name: str, rounds: int, budgets: list[int], synthetic: bool, noshare: bool = True) -> dict:
     cfg = config.profile(name)
     path = models.resolve_model(cfg.model.model)
     t0 = time.perf_counter()
@@ -112,7 +122,8 @@ def bench_profile(name: str, rounds: int, budgets: list[int], synthetic: bool) -
     arms = {"padded": base, "packed": replace(base, packing=True)}
     for b in budgets:
         arms[f"packed_{b}"] = replace(base, packing=True, micro_batch_tokens=b)
-    arms["packed_noshare"] = replace(base, packing=True, share_prompt=False)
+    if noshare:
+        arms["packed_noshare"] = replace(base, packing=True, share_prompt=False)
     policies = {}
     for arm in arms:
         model = build_policy(path, cfg.model, cfg.lora, cfg.run.seed)
@@ -154,33 +165,38 @@ def main() -> None:
     ap.add_argument("--tiny-pairs", type=int, default=3, help="timed rounds on the tiny profile")
     ap.add_argument("--budgets", default="1024", help="other micro_batch_tokens values tried")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a trainer rank runs 1)")
+    ap.add_argument("--profiles", default="tiny,smol", help="which profiles (the JSON holds null for the others)")
+    ap.add_argument("--skip-noshare", action="store_true", help="leave out the packed arm without share_prompt")
     ap.add_argument("--synthetic", action="store_true", help="random completions of uniform random length")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     print(f"load average at start {load()}; torch threads {torch.get_num_threads()}", flush=True)
     budgets = [int(b) for b in args.budgets.split(",") if b]
-    tiny = bench_profile("tiny", args.tiny_pairs, budgets, args.synthetic)
-    smol = bench_profile("smol", args.pairs, budgets, args.synthetic)
+    which = args.profiles.split(",")
+    none = {"info": None, "median_s": {}, "median_cpu_s": {}, "max_abs_dlogp": 0.0}
+    tiny = bench_profile("tiny", args.tiny_pairs, budgets, args.synthetic, not args.skip_noshare) if "tiny" in which else none
+    smol = bench_profile("smol", args.pairs, budgets, args.synthetic, not args.skip_noshare) if "smol" in which else none
+    r4 = lambda d, k: round(d[k], 4) if k in d else None  # noqa: E731
+    ratio = lambda d: round(d["packed"] / d["padded"], 3) if d else None  # noqa: E731
     out = {
-        "smol_step_s_padded": round(smol["median_s"]["padded"], 4),
-        "smol_step_s_packed": round(smol["median_s"]["packed"], 4),
-        "tiny_step_s_padded": round(tiny["median_s"]["padded"], 4),
-        "tiny_step_s_packed": round(tiny["median_s"]["packed"], 4),
+        "smol_step_s_padded": r4(smol["median_s"], "padded"),
+        "smol_step_s_packed": r4(smol["median_s"], "packed"),
+        "tiny_step_s_padded": r4(tiny["median_s"], "padded"),
+        "tiny_step_s_packed": r4(tiny["median_s"], "packed"),
         "max_abs_dlogp": max(smol["max_abs_dlogp"], tiny["max_abs_dlogp"]),
-        "smol_packed_over_padded": round(smol["median_s"]["packed"] / smol["median_s"]["padded"], 3),
-        "tiny_packed_over_padded": round(tiny["median_s"]["packed"] / tiny["median_s"]["padded"], 3),
-        "smol_cpu_s_padded": round(smol["median_cpu_s"]["padded"], 4),
-        "smol_cpu_s_packed": round(smol["median_cpu_s"]["packed"], 4),
-        "tiny_cpu_s_padded": round(tiny["median_cpu_s"]["padded"], 4),
-        "tiny_cpu_s_packed": round(tiny["median_cpu_s"]["packed"], 4),
+        "smol_packed_over_padded": ratio(smol["median_s"]),
+        "tiny_packed_over_padded": ratio(tiny["median_s"]),
+        "smol_cpu_packed_over_padded": ratio(smol["median_cpu_s"]),
+        "tiny_cpu_packed_over_padded": ratio(tiny["median_cpu_s"]),
         "smol_arms_s": {k: round(v, 4) for k, v in smol["median_s"].items()},
         "smol_arms_cpu_s": {k: round(v, 4) for k, v in smol["median_cpu_s"].items()},
-        "tiny_arms_cpu_s": {k: round(v, 4) for k, v in tiny["median_cpu_s"].items()},
         "tiny_arms_s": {k: round(v, 4) for k, v in tiny["median_s"].items()},
+        "tiny_arms_cpu_s": {k: round(v, 4) for k, v in tiny["median_cpu_s"].items()},
         "smol_batch": smol["info"],
         "tiny_batch": tiny["info"],
         "completions": "synthetic" if args.synthetic else "sampled",
+        "profiles": which,
         "load_average_end": load(),
     }
     print(json.dumps(out))
