@@ -34,6 +34,7 @@ bench:
 	$(PY) bench/alignment.py
 	$(PY) bench/engines.py
 	$(PY) bench/pipelining.py
+	$(PY) bench/packing.py
 	$(PY) bench/vs_trl.py
 	$(PY) bench/vs_trl.py --profile smol --repeats 1 --eval-every 5
 	$(PY) bench/staleness.py

@@ -322,11 +322,22 @@ class OptimConfig:
     """Run each group's prompt once per micro-batch and its completions on the prompt's key/value
     cache (same log-probs and gradients up to float rounding; tiny profile: a 48-completion step's
     forward and backward 41% faster). False runs every row in full."""
+    packing: bool = False
+    """Padding-free training: each micro-batch's sequences run packed into one row (per-sequence
+    position ids; with share_prompt each group's prompt once, under a 4-D mask that needs sdpa or eager
+    attention), micro-batches cut by ``micro_batch_tokens`` and ranks balanced by tokens. Same
+    log-probs and update as the padded forward up to float rounding (train_step.packed_logprobs)."""
+    micro_batch_tokens: int = 2048
+    """With packing: the most tokens one packed micro-batch holds on one rank (a shared prompt counted
+    once; a longer sequence runs alone). A memory and speed knob: on CPU the packed attention is dense
+    over the whole row. Unused without packing, where ``micro_batch`` counts rows (and with packing
+    ``micro_batch`` is not read)."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         _check(self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}")
+        _check(self.micro_batch_tokens >= 1, f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
 
 
 @dataclass(frozen=True)
