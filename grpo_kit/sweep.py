@@ -427,15 +427,7 @@ def compare_figure(results: Sequence[Mapping[str, Any]], series_keys: Sequence[s
                 row=1,
                 col=col + 1,
             )
-    fig.update_layout(
-        title=f"{len(ok)} of {len(results)} runs",
-        template="plotly_white",
-        height=380,
-        width=max(600, 330 * len(titles)),
-        legend=dict(orientation="h", yanchor="bottom", y=1.1, xanchor="right", x=1),
-        margin=dict(l=50, r=30, t=90, b=50),
-    )
-    return fig
+    return panel_layout(fig, f"{len(ok)} of {len(results)} runs", len(titles))
 
 
 def table(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -494,18 +486,23 @@ def sweep_figure(
     numeric = bool(xs) and all(_is_num(v) for v in xs)
     log = numeric and min(xs) > 0 and max(xs) / min(xs) >= 10
     fig.update_xaxes(title_text=x, type="log" if log else None)
-    fig.update_layout(
-        title=f"Sweep: {len(ok)} of {len(results)} runs" + (f", by {color}" if color else ""),
-        template="plotly_white",
-        height=380,
-        width=max(600, 330 * len(metrics)),
-        legend=dict(orientation="h", yanchor="bottom", y=1.1, xanchor="right", x=1),
-        margin=dict(l=50, r=30, t=90, b=50),
-    )
-    return fig
+    return panel_layout(fig, f"Sweep: {len(ok)} of {len(results)} runs" + (f", by {color}" if color else ""), len(metrics))
 
 
 if __name__ == "__main__":  # run_config's child: python -m grpo_kit.sweep <spec.pkl>
     import sys
 
     _run_spec(sys.argv[1])
+
+
+def panel_layout(fig: go.Figure, title: str, panels: int) -> go.Figure:
+    """The sweep figures' shared layout: ``panels`` side by side, 330 px each, the legend above."""
+    fig.update_layout(
+        title=title,
+        template="plotly_white",
+        height=380,
+        width=max(600, 330 * panels),
+        legend=dict(orientation="h", yanchor="bottom", y=1.1, xanchor="right", x=1),
+        margin=dict(l=50, r=30, t=90, b=50),
+    )
+    return fig
