@@ -425,7 +425,19 @@ def _wandb_key_set() -> bool:
         return False
 
 
-class WandbTracker(Tracker):
+class RunLogTracker(Tracker):
+    """wandb's run API, which trackio copies: ``self.run.log`` for scalars, ``self.lib.Table`` for the
+    completions table (``on_start`` sets ``self.lib`` and ``self.run``)."""
+
+    def on_log(self, scalars: dict[str, float], step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def on_table(self, rows: list[dict], step: int) -> None:
+        table = self.lib.Table(columns=list(TABLE_COLUMNS), data=[[r[c] for c in TABLE_COLUMNS] for r in rows])
+        self.run.log({"completions": table}, step=step)
+
+
+class WandbTracker(RunLogTracker):
     """A Weights & Biases run in ``<run_dir>/wandb``: metrics, config, a ``completions`` table and the
     report as a ``report`` artifact. Offline (``wandb sync <run_dir>/wandb/offline-run-*`` uploads it
     later) unless an API key is set (``WANDB_API_KEY``, or ``wandb login``'s netrc entry) or
@@ -437,7 +449,7 @@ class WandbTracker(Tracker):
     def on_start(self, run: RunInfo) -> None:
         import wandb
 
-        self.wandb = wandb
+        self.lib = self.wandb = wandb
         mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_set() else "offline")
         kw = dict(project=self.project or os.environ.get("WANDB_PROJECT", PROJECT), entity=self.entity, name=run.name,
                   id=run.id, resume="allow" if run.resumed else None, dir=str(run.run_dir), config=run.params)
@@ -451,13 +463,6 @@ class WandbTracker(Tracker):
             wandb.teardown()  # the failed start still holds the run's id
             self.run = wandb.init(mode="offline", **kw)
 
-    def on_log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log(scalars, step=step)
-
-    def on_table(self, rows: list[dict], step: int) -> None:
-        table = self.wandb.Table(columns=list(TABLE_COLUMNS), data=[[r[c] for c in TABLE_COLUMNS] for r in rows])
-        self.run.log({"completions": table}, step=step)
-
     def on_end(self, report: Path | None) -> None:
         if report is not None:
             art = self.wandb.Artifact(f"report-{self.run.id}", type="report")
@@ -466,7 +471,7 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
-class TrackioTracker(Tracker):
+class TrackioTracker(RunLogTracker):
     """A trackio run in its local store (``trackio show --project grpo-kit``): metrics, config, a
     ``completions`` table and the report as a ``report`` artifact."""
 
@@ -476,16 +481,9 @@ class TrackioTracker(Tracker):
     def on_start(self, run: RunInfo) -> None:
         import trackio
 
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(project=self.project, name=f"{run.name}-{run.id}", config=run.params,
                                 resume="allow" if run.resumed else "never", embed=False)
-
-    def on_log(self, scalars: dict[str, float], step: int) -> None:
-        self.run.log(scalars, step=step)
-
-    def on_table(self, rows: list[dict], step: int) -> None:
-        table = self.trackio.Table(columns=list(TABLE_COLUMNS), data=[[r[c] for c in TABLE_COLUMNS] for r in rows])
-        self.run.log({"completions": table}, step=step)
 
     def on_end(self, report: Path | None) -> None:
         if report is not None:
