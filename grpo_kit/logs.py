@@ -31,6 +31,7 @@ from pathlib import Path
 from distributed import Client, WorkerPlugin
 
 PLUGIN = "grpo-kit-logs"
+"""The prefix of the worker plugin's name; the name ends with the directory it routes to."""
 ECHO_FORMAT = "%(levelname)s %(name)s: %(message)s"
 RUN_LOGS = "logs"
 """The folder of a run directory that ``loop.run`` sends the workers' output to."""
@@ -49,14 +50,31 @@ def route_worker_logs(client: Client, directory: str | os.PathLike, *, quiet: bo
     """Send the output of every worker of ``client`` (now and later ones) to ``<directory>/<worker>.log``.
 
     Returns the directory (absolute); unless ``quiet``, prints one line that says where the logs go.
+    Routing again to the same directory changes nothing (a notebook routes from its cluster cell, so
+    the workers' start-up output lands there too, and ``loop.run`` routes again); another directory
+    replaces the last one. :func:`unroute_worker_logs` gives the workers their own streams back.
     The directory must be writable by the workers (a local cluster's workers share this machine's
     file system); a worker that cannot open its file keeps printing where it did.
     """
     directory = Path(directory).resolve()
-    client.register_plugin(WorkerLogs(str(directory)), name=PLUGIN)
+    name = f"{PLUGIN}:{directory}"
+    routed = client.run_on_scheduler(lambda dask_scheduler, prefix=PLUGIN: [
+        n for n in dask_scheduler.worker_plugins if n.startswith(prefix)])
+    if routed != [name]:  # already routed there: a second registration would tear the redirection down and redo it
+        for other in routed:  # another directory (an earlier run on this client): its files stop growing
+            client.unregister_worker_plugin(other)
+        client.register_plugin(WorkerLogs(str(directory)), name=name)
     if not quiet:
         print(f"worker logs (vLLM, transformers, warnings): {directory}/<worker>.log; errors also show here")
     return directory
+
+
+def unroute_worker_logs(client: Client) -> None:
+    """Undo :func:`route_worker_logs`: the workers print to the streams they inherited again."""
+    names = client.run_on_scheduler(lambda dask_scheduler, prefix=PLUGIN: [
+        n for n in dask_scheduler.worker_plugins if n.startswith(prefix)])
+    for name in names:
+        client.unregister_worker_plugin(name)
 
 
 def _file_name(name: object) -> str:

@@ -101,8 +101,19 @@ def test_worker_output_goes_to_a_file_and_errors_to_the_kernel(tmp_path, capfd):
         assert "[worker rollout-0] ERROR grpo_kit_test.vllm_like: the engine is broken" in seen
         for noise in ("banner", "FutureWarning", "C++", "Failed to load"):
             assert noise not in seen, seen
+        # routing again to the same directory (a notebook's cluster cell, then loop.run) changes nothing:
+        # no second teardown and set-up of the workers' file descriptors, one header in the file
+        assert logs.route_worker_logs(client, tmp_path / "logs", quiet=True) == directory
+        client.run(lambda: print("after the second route", flush=True), workers=[worker])
+        text = (directory / "rollout-0.log").read_text()
+        assert text.count("==== ") == 1 and "after the second route" in text, text
+        # another directory (the next run on this client) takes the output from the last one
+        moved = logs.route_worker_logs(client, tmp_path / "next", quiet=True)
+        client.run(lambda: print("in the next run", flush=True), workers=[worker])
+        assert "in the next run" in (moved / "rollout-0.log").read_text()
+        assert "in the next run" not in (directory / "rollout-0.log").read_text()
         # unregistering restores the worker's own streams
-        client.unregister_worker_plugin(logs.PLUGIN)
+        logs.unroute_worker_logs(client)
         client.run(lambda: print("back on the inherited stdout", flush=True), workers=[worker])
         assert "back on the inherited stdout" in capfd.readouterr().out
     finally:
