@@ -26,6 +26,16 @@ def from_trl(args, profile="smoke", **kw):
         return config.from_trl(args, profile, **kw)
 
 
+def test_importing_trl_leaks_no_environment_into_the_suite():
+    """``import trl`` (this module's, at collection) sets ``VLLM_LOGGING_LEVEL=ERROR``; conftest puts the
+    environment back, so the engines and JupyterLab kernels later tests start log vLLM's start-up."""
+    import os
+
+    from conftest import ENV_AT_START
+
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == ENV_AT_START.get("VLLM_LOGGING_LEVEL")
+
+
 def test_trl_defaults_round_trip():
     args = trl_args()
     with pytest.warns(UserWarning, match="lr_scheduler_type='linear'"):  # the one default the kit does otherwise
