@@ -209,8 +209,13 @@ def reload_misses(logger: str = RELOAD_LOGGER) -> Iterator[ReloadMisses]:
     """
     misses = ReloadMisses()
     target = logging.getLogger(logger)
+    level = target.level
+    # the warnings must be created to be seen, whatever vLLM's level is: VLLM_LOGGING_LEVEL=ERROR (which
+    # ``import trl`` sets in the environment) would otherwise drop them before the filter
+    target.setLevel(logging.WARNING)
     target.addFilter(misses)
     try:
         yield misses
     finally:
         target.removeFilter(misses)
+        target.setLevel(level)
