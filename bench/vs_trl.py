@@ -1,9 +1,9 @@
 """grpo-kit against TRL's ``GRPOTrainer``: training wall time to a held-out accuracy target.
 
     python bench/vs_trl.py [--profile tiny|smol] [--repeats 3] [--steps N] [--prompts-per-step 8]
-                           [--eval-every K] [--quick] [--lr ...]
+                           [--eval-every K] [--quick] [--lr ...] [--sides kit,dynamic,trl,trl_vllm]
 
-Both sides train LoRA on the profile's base model (``tiny``: the kit's own ``grpo_kit.tiny``;
+Every side trains LoRA on the profile's base model (``tiny``: the kit's own ``grpo_kit.tiny``;
 ``smol``: the real pretrained SmolLM2-135M-Instruct, prompted through its ChatML chat template), on
 CPU in fp32, one after the other in this process: the same training prompts in the same order (the
 kit's own per-iteration draw), the same reward (the profile's task scorer: for ``smol`` 1 for the
@@ -18,41 +18,76 @@ transformers path does not pass ``generate`` the tokenizer that ``stop_strings``
 function reads the text up to the first of the profile's stop strings, so both sides are scored by
 the same function of what was sampled).
 
-Both are evaluated greedily on the same held-out problems after the same optimizer steps (every
+``TRL vLLM`` is the same TRL run (same ``GRPOConfig``, prompts, reward, callback and clock) with
+``use_vllm=True, vllm_mode="colocate"``: a vLLM engine in the training process samples, TRL pushes
+the merged LoRA weights into it before each generation and corrects the sampler/trainer mismatch with
+its importance weight (``vllm_importance_sampling_correction``, on by default). What had to be set
+for CPU: ``vllm_max_model_length`` (the kit's ``max_model_len``) and ``VLLM_CPU_KVCACHE_SPACE``
+(GiB; :data:`TRL_VLLM_KV_CACHE_GIB` unless already set, and only while the engine is built, since it
+overrides the KV-cache size of any vLLM-CPU engine built with it; without it vLLM-CPU sizes its KV
+cache from the NUMA node's memory minus what this process holds). TRL passes vLLM no dtype, so vLLM's
+``dtype="auto"`` samples from a bfloat16 copy of the fp32 checkpoint; that is left as users get it
+(the importance weight absorbs it) and recorded (``trl_vllm_sampling_dtype``). The engine runs in
+this process with this process's torch threads: its CPU worker replaces ``torch.set_num_threads``
+with a no-op (put back after the run) and changes no thread count; the count at the start of
+training is recorded (``trl_torch_threads``, ``trl_vllm_torch_threads``). vLLM 0.32 is newer than
+the range TRL 1.16 is tested with. ``--sides`` picks the runs (default all four; ``--no-dynamic``
+and ``--only`` still work); a failing TRL vLLM run is reported, not fatal.
+
+Every side is evaluated greedily on the same held-out problems after the same optimizer steps (every
 ``--eval-every`` steps and at the end), by the same evaluator: the kit's ``HFEngine`` (transformers,
 fp32 argmax) on the adapter of that step. Clocks measure training wall time up to a checkpoint, with
-start-up (model loads, engine builds) and evaluation off both clocks:
+start-up (model loads, engine builds) and evaluation off every clock:
 
 - kit: ``t_iter_end`` of the iteration that produced the evaluated adapter version, minus the first
   iteration's ``t_iter_start`` (the loop builds engines and policies before that). The adapters are
   evaluated from the kit's store after its run. ``--live-eval`` instead evaluates inside the loop,
   as the kit does by default (non-blocking Dask tasks that share the rollout worker, so on one
   rollout worker their time is on the kit's clock).
-- TRL: time since ``on_train_begin`` at the ``on_step_end`` of that step, minus the time spent in
-  this bench's evaluation callback (the adapter saved at that step, evaluated in the process).
+- TRL (both TRL sides): time since ``on_train_begin`` at the ``on_step_end`` of that step, minus the
+  time spent in this bench's evaluation callback (the adapter saved at that step, evaluated in the
+  process). ``GRPOTrainer`` builds its colocated vLLM engine (model load, KV cache, torch.compile
+  warm-up: 40-65 s on 2 cores) in its constructor, before ``on_train_begin``: like the kit's engine
+  build and warm-up it is off the clock and reported as start-up (``trl_vllm_startup_s``, of which
+  ``trl_vllm_trainer_build_s`` is the constructor). Per-step costs after it (weight pushes, any
+  compilation for new shapes) are on the clock, as the kit's are.
 
 A third run, ``grpo-kit dynamic``, is the kit with dynamic sampling (``dynamic_sampling=True``:
 zero-spread groups dropped, extra generation rounds and carried-over groups keep the trainer fed with
 usable groups, up to ``--max-gen-batches`` rounds per step; its extra prompts come from the same
-training pool, drawn by the driver); ``--no-dynamic`` leaves it out. TRL's side is unchanged; its
+training pool, drawn by the driver); ``--no-dynamic`` leaves it out. The TRL sides are unchanged; their
 ``frac_reward_zero_std`` (the share of groups without reward spread) is logged beside the kit's usable
 share (the share of its generated completions in groups with spread).
 
+Cost per usable sample (device-seconds per completion in a group with reward spread, the mean over
+steps that had one, each step's figure from ``grpo_kit.sampling.usable_cost``): the kit's
+``kit_usable_cost_s`` is its records' ``usable_cost_s``, ``(gen_device_s + train_device_s) /
+usable_samples`` summed over its rollout and trainer workers; a TRL side's (``trl_usable_cost_s``,
+``trl_vllm_usable_cost_s``) is the step's seconds on its clock (its one process holds the device for
+the whole step; TRL's logged ``step_time`` leaves out the optimizer step and logging) over
+``completions per step x (1 - frac_reward_zero_std)`` of that step.
+
 The target is the smallest final accuracy of the runs minus 2 points; each side's time to target is
-the clock at its first checkpoint (after step 0) that reaches it. Timings on a shared 2-core VM vary
-by 10-30% from run to run, so the pair runs ``--repeats`` times (default 3), alternating which side
-goes first, and the headline figures are medians (each repeat's table is printed too). Prints each
-setting that could not be matched exactly, the tables, and as its last line a JSON object.
+the clock at its first checkpoint (after step 0) that reaches it. ``time_ratio`` is kit / TRL and
+``time_ratio_vs_trl_vllm`` kit / TRL vLLM (null, with ``time_ratio_vs_trl_vllm_reason``, where a side
+did not run or did not reach the target). Timings on a shared 2-core VM vary by 10-30% from run to
+run, so the runs repeat ``--repeats`` times (default 3), alternating which side goes first, and the
+headline figures are medians (each repeat's table is printed too; the usable costs are the last
+repeat's, as ``kit_usable_cost_s`` always was, with every repeat's in ``*_usable_cost_s_all``).
+Prints each setting that could not be matched exactly, the tables, and as its last line a JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import shutil
 import sys
 import time
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +103,14 @@ PROFILES = ("tiny", "smol")
 PROMPTS_PER_STEP = {"tiny": 8}
 """Bench defaults that differ from the profile: half the tiny profile's 16 prompts per step keeps the
 tiny bench within ~15 minutes on 2 cores."""
+SIDES = {"kit": "grpo-kit", "dynamic": "grpo-kit dynamic", "trl": "TRL", "trl_vllm": "TRL vLLM"}
+"""The runs ``--sides`` can name, in the order they run (reversed on alternate repeats), and their titles."""
+KEY_PREFIX = {"grpo-kit": "kit", "grpo-kit dynamic": "kit_dynamic", "TRL": "trl", "TRL vLLM": "trl_vllm"}
+"""Each run's prefix of its keys in the JSON line (``kit_time_to_target_s``, ``trl_vllm_usable_cost_s``)."""
+TRL_VLLM_KV_CACHE_GIB = 1
+"""``VLLM_CPU_KVCACHE_SPACE`` for TRL's colocated engine (GiB) unless the environment sets it: TRL has no
+``kv_cache_memory_bytes``. 1 GiB holds ~180 full 256-token sequences of SmolLM2-135M in bfloat16 (30 layers x 3
+KV heads x 64), more than either profile's batch (48 or 32 completions)."""
 
 
 @dataclass
@@ -90,6 +133,11 @@ class SideResult:
     @property
     def completions_per_s(self) -> float | None:
         return self.completions / self.train_wall_s if self.train_wall_s > 0 else None
+
+    @property
+    def prefix(self) -> str:
+        """Its keys' prefix in the JSON line."""
+        return KEY_PREFIX[self.name]
 
 
 # ----------------------------------------------------------------------------- settings
@@ -121,8 +169,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lora-alpha", type=int, default=prof.lora.lora_alpha)
     ap.add_argument("--seed", type=int, default=prof.run.seed)
     ap.add_argument("--out", default="runs/bench-vs-trl" + ("" if name == "tiny" else f"-{name}"),
-                    help="run directory (kit/ and trl/ under it; replaced)")
-    ap.add_argument("--only", choices=("kit", "dynamic", "trl"), help="run one side only (debugging; no ratio)")
+                    help="run directory (kit/, trl/ and trl-vllm/ under it; replaced)")
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help=f"comma-separated runs among {', '.join(SIDES)} (default: all; a ratio needs kit and its peer)")
+    ap.add_argument("--only", choices=tuple(SIDES), help="run one side only (debugging; the same as --sides X)")
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
     )
@@ -142,6 +192,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    sides = [x.strip() for x in args.sides.split(",") if x.strip()]
+    unknown = [x for x in sides if x not in SIDES]
+    if unknown or not sides:
+        ap.error(f"--sides takes a comma-separated list among {', '.join(SIDES)}; got {args.sides!r}")
+    if args.only:
+        sides = [args.only]
+    args.sides = tuple(x for x in SIDES if x in sides and not (x == "dynamic" and args.no_dynamic))
     if args.steps < 1 or args.eval_every < 1 or args.repeats < 1:
         ap.error("--steps, --eval-every and --repeats must be >= 1")
     return args
@@ -210,8 +267,9 @@ def hf_evaluator(cfg: config.Config, store):
     return HFEngine(resolve_model(cfg.model.model), store=store, **HFEngine.options(cfg, prompt_fmt(cfg)))
 
 
-def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> list[str]:
-    """Settings that differ between the two runs (for the README, next to the result)."""
+def differences(cfg: config.Config, threads: int, live_eval: bool = False, trl_vllm: bool = True) -> list[str]:
+    """Settings that differ between the runs (for the README, next to the result); ``trl_vllm``: with the
+    TRL vLLM side's."""
     s, mb = cfg.sampling, cfg.optim.micro_batch
     if s.engine == "vllm":
         import torch
@@ -224,8 +282,9 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
         kit_engine = "transformers generate (HFEngine)"
     return [
         f"generation: kit samples with {kit_engine} on its own Dask rollout worker; TRL samples with "
-        "transformers generate inside the training process (use_vllm=False, TRL's default; its vLLM server and "
-        "colocate modes were not tried on CPU)",
+        "transformers generate inside the training process (use_vllm=False, TRL's default)"
+        + ("; TRL vLLM with a vLLM engine colocated in the training process (use_vllm=True, vllm_mode='colocate'; "
+           "vLLM's server mode, a separate process, was not tried)" if trl_vllm else ""),
         f"policy lag: kit pipelined (max_staleness={cfg.run.max_staleness}): batch N is sampled by adapter N-1 while "
         "step N-1 trains, and the clipped ratio is taken against the sampling log-probs; TRL is on-policy "
         "(generate then train, num_iterations=1, steps_per_generation=1, so its ratio is exactly 1)",
@@ -245,7 +304,9 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
         "(model load, LoRA wrap and trainer construction happen before it); both start-ups are reported",
         f"processes and threads: kit uses {cfg.cluster.n_rollout_workers} rollout + {cfg.cluster.world_size} trainer "
         f"Dask worker(s) with {cfg.cluster.threads_per_worker} torch thread(s) each (the {cfg.profile} profile's); TRL runs in one "
-        f"process with {threads} torch thread(s)",
+        f"process with {threads} torch thread(s)"
+        + (", TRL vLLM too, its engine sampling in that process with those threads (each TRL side's count at "
+           "the start of training is recorded)" if trl_vllm else ""),
         f"batching: one optimizer step per batch of {s.batch_size} completions in both (no gradient accumulation; "
         f"TRL per_device_train_batch_size={s.batch_size}, gradient_accumulation_steps=1, generation_batch_size="
         f"{s.batch_size}); "
@@ -257,7 +318,7 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
         "TRL computes per-token entropies in every training forward (logged only); the kit does not",
         *(
             [f"stops: kit completions end at EOS or at the first of {list(s.stop)} (tokens after it are neither "
-             "sampled nor trained on); TRL's transformers generation has no stop strings, so its completions run "
+             "sampled nor trained on); TRL's generation has no stop strings (nor its vLLM path's, by default), so its completions run "
              f"to EOS or {s.max_new_tokens} tokens and it trains on the tail too (its reward reads the text before "
              "the first stop string, the same function of the sample as the kit's)"]
             if s.stop else []
@@ -270,6 +331,19 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False) -> li
         ),
         "TRL defaults changed to match the kit: lr_scheduler_type=constant (TRL/transformers default: linear "
         "decay), gradient_checkpointing=False (TRL default True), bf16=False, optim=adamw_torch, top_k=0, top_p=1.0",
+        *(
+            ["TRL vLLM sampling precision: TRL passes vLLM no dtype, so vLLM's dtype='auto' samples from a bfloat16 "
+             "copy of the fp32 checkpoint (and of the merged LoRA weights TRL pushes before each generation); TRL "
+             "trains in fp32 and weighs each completion by its sequence-level importance ratio, dropping those above 3 "
+             "(vllm_importance_sampling_correction, TRL's default mode sequence_mask); the kit's engine samples in "
+             f"the model's dtype ({cfg.model.dtype})",
+             "TRL vLLM start-up: GRPOTrainer builds the engine (torch.compile warm-up included) before "
+             f"on_train_begin, so it is off the clock, as the kit's engine build is; CPU settings it needed: "
+             f"vllm_max_model_length={cfg.model.max_model_len} (the kit's max_model_len) and "
+             f"VLLM_CPU_KVCACHE_SPACE={os.environ.get('VLLM_CPU_KVCACHE_SPACE', TRL_VLLM_KV_CACHE_GIB)} GiB; "
+             "vLLM also reseeds the process's random generators when it is built"]
+            if trl_vllm else []
+        ),
     ]
 
 
@@ -404,8 +478,60 @@ def trl_inputs(cfg: config.Config, rows: list[data.Problem], tok):
     return prompts, task_reward
 
 
-def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
-    """TRL's GRPOTrainer on the kit's prompts."""
+def usable_cost_per_step(step_s: list[float], frac_zero_std: list[float | None], batch_size: int) -> float | None:
+    """A TRL run's device-seconds per usable completion, as the kit's ``kit_usable_cost_s``: the mean over
+    steps of ``grpo_kit.sampling.usable_cost(step seconds, usable completions)``, where a step's usable
+    completions are ``batch_size x (1 - frac_reward_zero_std)`` (those in groups with reward spread);
+    steps without one (or without a logged share) are left out.
+
+    >>> usable_cost_per_step([2.0, 3.0, 1.0], [0.5, 1.0, 0.0], 4)
+    0.625
+    """
+    from grpo_kit.sampling import usable_cost
+
+    costs = [usable_cost(t, round(batch_size * (1 - f)))[0] for t, f in zip(step_s, frac_zero_std, strict=True)
+             if f is not None]
+    return _mean(costs)
+
+
+@contextlib.contextmanager
+def _vllm_logs_at(level: int):
+    """vLLM's loggers at ``level`` for the block: its weight loader warns about the dtype of every tensor
+    TRL pushes, at every step."""
+    logger = logging.getLogger("vllm")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)
+
+
+def _close_colocated_vllm(trainer) -> None:
+    """Shut TRL's colocated engine down and tear down the process group vLLM set up for it (vLLM's own
+    cleanup between engines), so that a later repeat can build another in this process."""
+    llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None)
+    if llm is not None:
+        with contextlib.suppress(Exception):  # best effort: already down, or no such client API
+            llm.llm_engine.engine_core.shutdown()
+        trainer.vllm_generation.llm = llm = None  # the cleanup's gc.collect frees it
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+
+
+def _restore_environ(saved: dict[str, str]) -> None:
+    """Make ``os.environ`` ``saved`` again."""
+    for k in set(os.environ) - set(saved):
+        del os.environ[k]
+    for k, v in saved.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+
+
+def run_trl(cfg: config.Config, out: Path, progress: bool, use_vllm: bool = False) -> SideResult:
+    """TRL's GRPOTrainer on the kit's prompts; ``use_vllm``: sampling with its colocated vLLM engine (the
+    ``TRL vLLM`` side: the same run otherwise, its keys prefixed ``trl_vllm_``)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -416,10 +542,13 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     from grpo_kit.adapters import AdapterStore
     from grpo_kit.models import resolve_model
     from grpo_kit.trainer import peft_lora_config
+    from grpo_kit.vllm_engine import modules_unsafe_to_scan
 
+    name = SIDES["trl_vllm" if use_vllm else "trl"]
+    key = KEY_PREFIX[name]
     s, loss_cfg, lora_cfg = cfg.sampling, cfg.loss, cfg.lora
     model_path = resolve_model(cfg.model.model)
-    trl_dir = out / "trl"
+    trl_dir = out / key.replace("_", "-")
     shutil.rmtree(trl_dir, ignore_errors=True)
     store = AdapterStore(str(trl_dir / "store"))
     heldout = heldout_problems(cfg)
@@ -430,6 +559,10 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     prompts, task_reward = trl_inputs(cfg, rows, AutoTokenizer.from_pretrained(model_path))
     dataset = Dataset.from_dict({"prompt": prompts, "row": list(range(len(rows)))})
 
+    vllm_args = {}
+    if use_vllm:
+        vllm_args = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": cfg.model.max_model_len}
+    kv_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or str(TRL_VLLM_KV_CACHE_GIB)
     args = GRPOConfig(
         output_dir=str(trl_dir),
         use_cpu=True,
@@ -466,6 +599,7 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
         scale_rewards=loss_cfg.adv_scale,
         mask_truncated_completions=False,
         log_completions=False,
+        **vllm_args,
     )
     peft_config = peft_lora_config(lora_cfg)  # exactly the kit trainer's LoRA
     t_start = time.time()
@@ -476,13 +610,15 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
     every, total = cfg.run.eval_every, cfg.run.iterations
 
     class GreedyEval(TrainerCallback):
-        """Evaluates the policy every ``every`` steps and after the last; keeps its time off the clock."""
+        """Evaluates the policy every ``every`` steps and after the last; keeps its time off the clock,
+        and notes each step's seconds on it."""
 
         def __init__(self):
-            self.t0, self.eval_s, self.points = 0.0, 0.0, []
+            self.t0, self.eval_s, self.points, self.step_s, self.clock = 0.0, 0.0, [], [], 0.0
 
         def on_train_begin(self, args, state, control, **kw):
             self.startup_s = time.time() - t_start
+            self.threads = torch.get_num_threads()  # what training (and a colocated engine) runs with
             t = time.perf_counter()
             self.points.append((0, 0.0, greedy_acc(cfg, engine, heldout, 0)))
             self.base_eval_s = time.perf_counter() - t
@@ -490,10 +626,12 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
 
         def on_step_end(self, args, state, control, model=None, **kw):
             step = state.global_step
-            if step % every and step != total:
-                return
             t = time.perf_counter()
             train_s = t - self.t0 - self.eval_s
+            self.step_s.append(train_s - self.clock)
+            self.clock = train_s
+            if step % every and step != total:
+                return
             store.publish(model, step)
             self.points.append((step, train_s, greedy_acc(cfg, engine, heldout, step)))
             self.eval_s += time.perf_counter() - t
@@ -502,34 +640,83 @@ def run_trl(cfg: config.Config, out: Path, progress: bool) -> SideResult:
             self.wall = time.perf_counter() - self.t0 - self.eval_s
 
     cb = GreedyEval()
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=task_reward,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config,
-        callbacks=[cb],
-    )
-    # Guard the two alignments the comparison rests on.
-    if trainer.ref_model is not None and loss_cfg.kl_beta > 0:
-        raise RuntimeError("expected TRL to take the KL reference from the base model (adapter disabled)")
-    if trainer.args.generation_batch_size != s.batch_size:
-        raise RuntimeError(f"TRL generation_batch_size {trainer.args.generation_batch_size} != {s.batch_size}")
-    t = time.time()
-    trainer.train()
+    # Process-wide changes a colocated engine makes, undone after the run: vLLM's in-process CPU worker
+    # replaces torch.set_num_threads with a no-op; TRL sets RANK, WORLD_SIZE and MASTER_* for it, and the
+    # KV-cache size below would override the explicit one of the kit's engines (its workers, started
+    # later, inherit os.environ).
+    set_num_threads, environ = torch.set_num_threads, dict(os.environ)
+    trainer = None
+    try:
+        # vLLM 0.32 on CPU scans every module's globals while it builds an engine (the kit's engine hides
+        # the modules that break the scan the same way)
+        hidden = modules_unsafe_to_scan() if use_vllm else {}
+        for mod in hidden:
+            del sys.modules[mod]
+        if use_vllm:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = kv_gib  # read when the engine is built
+        t_build = time.time()
+        try:
+            trainer = GRPOTrainer(
+                model=model,
+                reward_funcs=task_reward,
+                args=args,
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                peft_config=peft_config,
+                callbacks=[cb],
+            )
+        finally:
+            sys.modules.update(hidden)
+        build_s = time.time() - t_build
+        # Guard the two alignments the comparison rests on.
+        if trainer.ref_model is not None and loss_cfg.kl_beta > 0:
+            raise RuntimeError("expected TRL to take the KL reference from the base model (adapter disabled)")
+        if trainer.args.generation_batch_size != s.batch_size:
+            raise RuntimeError(f"TRL generation_batch_size {trainer.args.generation_batch_size} != {s.batch_size}")
+        vllm_extra = {}
+        if use_vllm:
+            import vllm
+
+            llm = trainer.vllm_generation.llm
+            kv_bytes = llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes
+            vllm_extra = {
+                f"{key}_vllm_version": vllm.__version__,
+                f"{key}_sampling_dtype": str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch."),
+                f"{key}_kv_cache_gib": None if kv_bytes is None else kv_bytes / 2**30,
+            }
+        t = time.time()
+        with _vllm_logs_at(logging.ERROR) if use_vllm else contextlib.nullcontext():
+            trainer.train()
+        total_s = time.time() - t
+    finally:
+        engine.close()
+        if use_vllm and "vllm" in sys.modules:  # not imported: nothing to tear down
+            _close_colocated_vllm(trainer)
+        torch.set_num_threads = set_num_threads
+        if use_vllm:
+            _restore_environ(environ)
     logs = [h for h in trainer.state.log_history if "reward" in h]
+    frac_by_step = {h.get("step"): h.get("frac_reward_zero_std") for h in logs}
     extra = {
-        "trl_total_s": time.time() - t,
-        "trl_startup_s": cb.startup_s,  # model load, LoRA wrap, GRPOTrainer construction
-        "trl_eval_s": cb.eval_s + cb.base_eval_s,
-        "trl_reward_first": logs[0]["reward"] if logs else None,
-        "trl_reward_last": logs[-1]["reward"] if logs else None,
-        "trl_frac_zero_std": _mean(h.get("frac_reward_zero_std") for h in logs),
-        "trl_version": __import__("trl").__version__,
+        f"{key}_total_s": total_s,
+        f"{key}_startup_s": cb.startup_s,  # model load, LoRA wrap, GRPOTrainer construction (engine build)
+        f"{key}_trainer_build_s": build_s,  # GRPOTrainer construction alone
+        f"{key}_eval_s": cb.eval_s + cb.base_eval_s,
+        f"{key}_reward_first": logs[0]["reward"] if logs else None,
+        f"{key}_reward_last": logs[-1]["reward"] if logs else None,
+        f"{key}_frac_zero_std": _mean(h.get("frac_reward_zero_std") for h in logs),
+        f"{key}_usable_cost_s": usable_cost_per_step(
+            cb.step_s, [frac_by_step.get(i + 1) for i in range(len(cb.step_s))], s.batch_size
+        ),
+        f"{key}_torch_threads": cb.threads,
+        f"{key}_version": __import__("trl").__version__,
+        **vllm_extra,
     }
-    engine.close()
-    return SideResult("TRL", cb.points, total * s.batch_size, cb.wall, extra)
+    if use_vllm:
+        extra[f"{key}_is_ratio_mean"] = _mean(h.get("sampling/importance_sampling_ratio/mean") for h in logs)
+        extra[f"{key}_is_ratio_min"] = min((h["sampling/importance_sampling_ratio/min"] for h in logs
+                                            if "sampling/importance_sampling_ratio/min" in h), default=None)
+    return SideResult(name, cb.points, total * s.batch_size, cb.wall, extra)
 
 
 # ----------------------------------------------------------------------------- report
@@ -544,6 +731,21 @@ def _fmt(x, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def missing_ratio_reason(kit: SideResult | None, peer: SideResult | None, peer_name: str, target: float | None,
+                         ttt: dict, failed: str | None = None) -> str:
+    """Why kit / ``peer`` time to target has no value."""
+    if peer is None:
+        return f"{peer_name} did not run" + (f": {failed}" if failed else " (not in --sides)")
+    if kit is None:
+        return "grpo-kit did not run (not in --sides)"
+    if target is None:
+        return "no target: a run has no final accuracy"
+    for r in (kit, peer):
+        if ttt.get(r.name) is None:
+            return f"{r.name} did not reach the target {target:.3f} (final accuracy {_fmt(r.final_acc)})"
+    return f"{peer_name} reached the target at 0 s"
+
+
 def report(
     cfg: config.Config,
     kit: SideResult | None,
@@ -554,8 +756,13 @@ def report(
     load: dict | None = None,
     live_eval: bool = False,
     dyn: SideResult | None = None,
+    trl_vllm: SideResult | None = None,
+    failed: dict[str, str] | None = None,
 ) -> dict:
-    sides = [r for r in (kit, dyn, trl) if r is not None]
+    """Prints the tables and returns the JSON line's dict; ``failed`` maps a side's title to why it has no
+    result (a run that raised)."""
+    failed = failed or {}
+    sides = [r for r in (kit, dyn, trl, trl_vllm) if r is not None]
     finals = [r.final_acc for r in sides if r.final_acc is not None]
     target = min(finals) - TARGET_MARGIN if len(finals) >= 2 and len(finals) == len(sides) else None
     ttt = {}
@@ -567,16 +774,20 @@ def report(
         hit = ttt.get(r.name) if r is not None else None
         return None if hit is None else hit[1]
 
-    kit_t, trl_t, dyn_t = t_of(kit), t_of(trl), t_of(dyn)
+    kit_t, trl_t, dyn_t, vllm_t = t_of(kit), t_of(trl), t_of(dyn), t_of(trl_vllm)
     ratio = kit_t / trl_t if kit_t is not None and trl_t else None
     ratio_dyn = dyn_t / trl_t if dyn_t is not None and trl_t else None
+    ratio_vllm = kit_t / vllm_t if kit_t is not None and vllm_t else None
+    vllm_name = SIDES["trl_vllm"]
+    ratio_vllm_reason = None if ratio_vllm is not None else missing_ratio_reason(
+        kit, trl_vllm, vllm_name, target, ttt, failed.get(vllm_name))
 
-    print("\ndifferences between the two runs:")
+    print("\ndifferences between the runs:")
     for d in diffs:
         print(f"  - {d}")
 
     print("\nheld-out greedy accuracy at each checkpoint (step: training seconds / accuracy):")
-    cols = [(r.name, r) for r in (kit, dyn, trl) if r is not None] or [("grpo-kit", None), ("TRL", None)]
+    cols = [(r.name, r) for r in sides] or [("grpo-kit", None), ("TRL", None)]
     steps = sorted({c[0] for r in sides for c in r.checkpoints})
     by = {r.name: {c[0]: c for c in r.checkpoints} for r in sides}
     print("  " + f"{'step':>5} | " + " | ".join(f"{name + ' s':>16} {'acc':>6}" for name, _ in cols))
@@ -590,14 +801,12 @@ def report(
     print(f"\ntarget: {_fmt(target)} (smallest final accuracy minus {TARGET_MARGIN:.2f})")
     print(f"  {'':<26}" + "".join(f"{name:>18}" for name, _ in cols))
 
-    def startup(r):
-        return r.extra.get("kit_startup_s", r.extra.get("kit_dynamic_startup_s", r.extra.get("trl_startup_s")))
-
     def usable(r):
         e = r.extra
-        if "trl_frac_zero_std" in e:
-            return None if e["trl_frac_zero_std"] is None else 1 - e["trl_frac_zero_std"]
-        return e.get("kit_usable_share", e.get("kit_dynamic_usable_share"))
+        if f"{r.prefix}_frac_zero_std" in e:  # a TRL side: its groups with spread
+            f = e[f"{r.prefix}_frac_zero_std"]
+            return None if f is None else 1 - f
+        return e.get(f"{r.prefix}_usable_share")
 
     rows = [
         ("base accuracy", lambda r: r.checkpoints[0][2] if r.checkpoints else None, ".3f"),
@@ -605,19 +814,26 @@ def report(
         ("time to target (s)", t_of, ".1f"),
         ("step reaching target", lambda r: ttt[r.name][0] if ttt.get(r.name) else None, "d"),
         ("training wall (s)", lambda r: r.train_wall_s, ".1f"),
-        ("start-up, off clock (s)", startup, ".1f"),
+        ("start-up, off clock (s)", lambda r: r.extra.get(f"{r.prefix}_startup_s"), ".1f"),
         ("completions / s", lambda r: r.completions_per_s, ".2f"),
         ("usable share", usable, ".3f"),
+        ("usable cost (s/sample)", lambda r: r.extra.get(f"{r.prefix}_usable_cost_s"), ".3f"),
     ]
     for label, get, spec in rows:
         print(f"  {label:<26}" + "".join(f"{(_fmt(get(r), spec) if r is not None else '-'):>18}" for _, r in cols))
-    print("  (usable share: the kit's generated completions in groups with reward spread; TRL's 1 - "
-          "frac_reward_zero_std, its groups with spread)")
+    print("  (usable share: the kit's generated completions in groups with reward spread; a TRL side's 1 - "
+          "frac_reward_zero_std, its groups with spread. usable cost: device-seconds per completion in such a "
+          "group, mean over steps: the kit's rollout + trainer workers' seconds, a TRL side's step seconds on its "
+          "clock in its one process)")
+    for name, why in failed.items():
+        print(f"  {name}: no result ({why})")
     print(f"  time ratio grpo-kit / TRL: {_fmt(ratio)} (goal <= 0.5)")
     if dyn is not None:
         print(f"  time ratio grpo-kit dynamic sampling / TRL: {_fmt(ratio_dyn)} (goal <= 0.7)")
+    print(f"  time ratio grpo-kit / {vllm_name}: "
+          + (_fmt(ratio_vllm) if ratio_vllm is not None else f"- ({ratio_vllm_reason})"))
     if target is not None:
-        base = [r.checkpoints[0][2] for r in (kit, trl) if r.checkpoints and r.checkpoints[0][0] == 0]
+        base = [r.checkpoints[0][2] for r in sides if r.checkpoints and r.checkpoints[0][0] == 0]
         if base and min(base) >= target:
             print(
                 "  NOTE: the base model already reaches the target; time to target then only measures the "
@@ -630,7 +846,7 @@ def report(
     )
     if first_hit:
         print(
-            "  NOTE: both sides reach the target at their first checkpoint, so time to target is start-up plus "
+            "  NOTE: every run reaches the target at its first checkpoint, so time to target is start-up plus "
             f"{cfg.run.eval_every} steps; a smaller --eval-every resolves it more finely."
         )
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -654,26 +870,41 @@ def report(
         "time_ratio": ratio,
         "kit_dynamic_time_to_target_s": dyn_t,
         "time_ratio_dynamic": ratio_dyn,
+        "trl_vllm_time_to_target_s": vllm_t,
+        "time_ratio_vs_trl_vllm": ratio_vllm,
+        "time_ratio_vs_trl_vllm_reason": ratio_vllm_reason,
         "kit_usable_share": kit.extra.get("kit_usable_share") if kit else None,
         "kit_dynamic_usable_share": dyn.extra.get("kit_dynamic_usable_share") if dyn else None,
         "trl_frac_zero_std": trl.extra.get("trl_frac_zero_std") if trl else None,
+        "trl_vllm_frac_zero_std": trl_vllm.extra.get("trl_vllm_frac_zero_std") if trl_vllm else None,
+        "kit_usable_cost_s": kit.extra.get("kit_usable_cost_s") if kit else None,
+        "kit_dynamic_usable_cost_s": dyn.extra.get("kit_dynamic_usable_cost_s") if dyn else None,
+        "trl_usable_cost_s": trl.extra.get("trl_usable_cost_s") if trl else None,
+        "trl_vllm_usable_cost_s": trl_vllm.extra.get("trl_vllm_usable_cost_s") if trl_vllm else None,
         "kit_final_acc": kit.final_acc if kit else None,
         "kit_dynamic_final_acc": dyn.final_acc if dyn else None,
         "trl_final_acc": trl.final_acc if trl else None,
+        "trl_vllm_final_acc": trl_vllm.final_acc if trl_vllm else None,
         "target_acc": target,
         "kit_base_acc": kit.checkpoints[0][2] if kit and kit.checkpoints else None,
         "trl_base_acc": trl.checkpoints[0][2] if trl and trl.checkpoints else None,
+        "trl_vllm_base_acc": trl_vllm.checkpoints[0][2] if trl_vllm and trl_vllm.checkpoints else None,
         "kit_completions_per_s": kit.completions_per_s if kit else None,
         "trl_completions_per_s": trl.completions_per_s if trl else None,
+        "trl_vllm_completions_per_s": trl_vllm.completions_per_s if trl_vllm else None,
         "kit_train_wall_s": kit.train_wall_s if kit else None,
         "trl_train_wall_s": trl.train_wall_s if trl else None,
+        "trl_vllm_train_wall_s": trl_vllm.train_wall_s if trl_vllm else None,
         "kit_checkpoints": kit.checkpoints if kit else None,
         "kit_dynamic_checkpoints": dyn.checkpoints if dyn else None,
         "trl_checkpoints": trl.checkpoints if trl else None,
+        "trl_vllm_checkpoints": trl_vllm.checkpoints if trl_vllm else None,
         **cross,
         **(kit.extra if kit else {}),
         **(dyn.extra if dyn else {}),
         **(trl.extra if trl else {}),
+        **(trl_vllm.extra if trl_vllm else {}),
+        "failed_sides": failed,
         "bench_wall_s": bench_s,
         "target_at_first_checkpoint": first_hit,
         "load_avg_1min": load or {},
@@ -709,43 +940,51 @@ def report(
 
 def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: int, diffs: list[str],
              kit_first: bool) -> dict:
-    """One kit run and one TRL run (in the given order), reported; returns the report's dict."""
+    """One run of each of ``args.sides`` (in ``SIDES`` order, reversed unless ``kit_first``), reported;
+    returns the report's dict. A TRL vLLM run that raises is reported with its error, not re-raised."""
     t0 = time.time()
     progress = not args.no_progress
-    kit = trl = dyn = None
-    cross, load = {}, {}
+    runs: dict[str, SideResult] = {}
+    cross, load, failed = {}, {}, {}
 
     def kit_side():
-        nonlocal kit
         print(
             f"[grpo-kit] {cfg.run.iterations} iterations of {cfg.sampling.prompts_per_step} prompts x "
             f"{cfg.sampling.group_size}, engine={cfg.sampling.engine}, pipelined={cfg.run.pipelined}",
             flush=True,
         )
-        load["kit_start"] = _load()
-        kit = run_kit(cfg, progress, args.live_eval)
-        load["kit_end"] = _load()
-
-    def trl_side():
-        nonlocal trl
-        print(f"[TRL] GRPOTrainer, same settings, {threads} torch threads", flush=True)
-        load["trl_start"] = _load()
-        trl = run_trl(cfg, out, progress)
-        load["trl_end"] = _load()
+        return run_kit(cfg, progress, args.live_eval)
 
     def dyn_side():
-        nonlocal dyn
         dcfg = dynamic_config(cfg, args.max_gen_batches)
         print(f"[grpo-kit dynamic] the same with dynamic_sampling=True, max_gen_batches={args.max_gen_batches}",
               flush=True)
-        load["kit_dynamic_start"] = _load()
-        dyn = run_kit(dcfg, progress, args.live_eval, name="grpo-kit dynamic")
-        load["kit_dynamic_end"] = _load()
+        return run_kit(dcfg, progress, args.live_eval, name=SIDES["dynamic"])
 
-    named = ((kit_side, "kit"), (dyn_side, "dynamic"), (trl_side, "trl"))
-    sides = [s for s, name in named if args.only in (None, name) and not (name == "dynamic" and args.no_dynamic)]
-    for side in sides if kit_first else sides[::-1]:
-        side()
+    def trl_side():
+        print(f"[TRL] GRPOTrainer, same settings, {threads} torch threads", flush=True)
+        return run_trl(cfg, out, progress)
+
+    def trl_vllm_side():
+        print(f"[TRL vLLM] the same with use_vllm=True, vllm_mode='colocate', {threads} torch threads", flush=True)
+        return run_trl(cfg, out, progress, use_vllm=True)
+
+    run_side = {"kit": kit_side, "dynamic": dyn_side, "trl": trl_side, "trl_vllm": trl_vllm_side}
+    for side in args.sides if kit_first else args.sides[::-1]:
+        name, prefix = SIDES[side], KEY_PREFIX[SIDES[side]]
+        load[f"{prefix}_start"] = _load()
+        try:
+            runs[side] = run_side[side]()
+        except Exception as e:  # noqa: BLE001 - TRL vLLM only: an untested TRL/vLLM pair; the other runs stand
+            if side != "trl_vllm":
+                raise
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {e}"
+        load[f"{prefix}_end"] = _load()
+        got = runs.get(side) and runs[side].extra.get(f"{prefix}_torch_threads")
+        if got is not None and got != threads:
+            print(f"  NOTE: {name} trained with {got} torch threads, not {threads}", flush=True)
+    kit, trl = runs.get("kit"), runs.get("trl")
     if kit is not None and trl is not None and args.live_eval:
         from grpo_kit.adapters import AdapterStore
 
@@ -753,9 +992,19 @@ def run_pair(cfg: config.Config, args: argparse.Namespace, out: Path, threads: i
         eng = hf_evaluator(cfg, AdapterStore(cfg.run.store_root))
         cross["kit_final_acc_hf"] = greedy_acc(cfg, eng, heldout_problems(cfg), final_v)
         eng.close()
-    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval, dyn)
+    result = report(cfg, kit, trl, diffs, time.time() - t0, cross, load, args.live_eval, runs.get("dynamic"),
+                    runs.get("trl_vllm"), failed)
     result["kit_first"] = kit_first
+    result["sides"] = list(args.sides)
     return result
+
+
+MEDIAN_KEYS = ("kit_time_to_target_s", "trl_time_to_target_s", "time_ratio", "kit_dynamic_time_to_target_s",
+               "time_ratio_dynamic", "kit_usable_share", "kit_dynamic_usable_share", "trl_frac_zero_std",
+               "trl_vllm_time_to_target_s", "time_ratio_vs_trl_vllm", "trl_vllm_frac_zero_std")
+"""The headline keys: medians over the repeats (null unless every repeat has one), each repeat's in ``<key>_all``."""
+ALL_KEYS = ("kit_usable_cost_s", "kit_dynamic_usable_cost_s", "trl_usable_cost_s", "trl_vllm_usable_cost_s")
+"""Keys that stay the last repeat's, with every repeat's in ``<key>_all``."""
 
 
 def summarize(results: list[dict]) -> dict:
@@ -763,13 +1012,27 @@ def summarize(results: list[dict]) -> dict:
     import statistics
 
     out = dict(results[-1])
-    for key in ("kit_time_to_target_s", "trl_time_to_target_s", "time_ratio", "kit_dynamic_time_to_target_s",
-                "time_ratio_dynamic", "kit_usable_share", "kit_dynamic_usable_share", "trl_frac_zero_std"):
+    for key in MEDIAN_KEYS:
         vals = [r.get(key) for r in results if r.get(key) is not None]
         out[key] = statistics.median(vals) if len(vals) == len(results) else None
         out[key + "_all"] = [r.get(key) for r in results]
+    for key in ALL_KEYS:
+        out[key + "_all"] = [r.get(key) for r in results]
+    reason = "time_ratio_vs_trl_vllm_reason"
+    if out["time_ratio_vs_trl_vllm"] is not None:
+        out[reason] = None
+    elif len(results) > 1:
+        out[reason] = "; ".join(f"repeat {i + 1}: {r.get(reason)}" for i, r in enumerate(results)
+                                if r.get("time_ratio_vs_trl_vllm") is None)
     out["repeats"] = len(results)
     return out
+
+
+def _median(values) -> float | None:
+    import statistics
+
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -780,7 +1043,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     threads = torch.get_num_threads()
-    diffs = differences(cfg, threads, args.live_eval)
+    diffs = differences(cfg, threads, args.live_eval, trl_vllm="trl_vllm" in args.sides)
     results = []
     for rep in range(args.repeats):
         if args.repeats > 1:
@@ -792,12 +1055,21 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\nover {args.repeats} repeats (alternating which side runs first): time ratio grpo-kit / TRL "
               f"median {_fmt(result['time_ratio'])} (each: {ratios}); time to target median "
               f"{_fmt(result['kit_time_to_target_s'], '.1f')} s against {_fmt(result['trl_time_to_target_s'], '.1f')} s")
-        if not args.no_dynamic:
+        if "dynamic" in args.sides:
             each = ", ".join(_fmt(r) for r in result["time_ratio_dynamic_all"])
             print(f"with dynamic sampling: time ratio median {_fmt(result['time_ratio_dynamic'])} (each: {each}); "
                   f"time to target median {_fmt(result['kit_dynamic_time_to_target_s'], '.1f')} s; usable share "
                   f"kit {_fmt(result['kit_usable_share'])}, kit dynamic {_fmt(result['kit_dynamic_usable_share'])}, "
                   f"TRL 1 - frac_reward_zero_std {_fmt(None if result['trl_frac_zero_std'] is None else 1 - result['trl_frac_zero_std'])}")
+        if "trl_vllm" in args.sides:
+            each = ", ".join(_fmt(r) for r in result["time_ratio_vs_trl_vllm_all"])
+            print(f"against TRL vLLM: time ratio grpo-kit / TRL vLLM median {_fmt(result['time_ratio_vs_trl_vllm'])} "
+                  f"(each: {each}); TRL vLLM time to target median "
+                  f"{_fmt(result['trl_vllm_time_to_target_s'], '.1f')} s"
+                  + (f" ({result['time_ratio_vs_trl_vllm_reason']})" if result["time_ratio_vs_trl_vllm_reason"] else ""))
+        costs = ", ".join(f"{SIDES[side]} {_fmt(_median(result[KEY_PREFIX[SIDES[side]] + '_usable_cost_s_all']))}"
+                          for side in args.sides)
+        print(f"usable cost, device-seconds per usable sample, median over repeats: {costs}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "result.json").write_text(json.dumps(result, indent=1))
     sys.stdout.flush()

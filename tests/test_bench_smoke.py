@@ -114,6 +114,57 @@ def test_report_ends_with_the_json_keys(vs_trl, capsys):
     json.dumps(out)  # serialisable
 
 
+def test_trl_vllm_side_keys_ratio_and_reason(vs_trl, capsys):
+    """The third column: kit / TRL vLLM time to target, each TRL side's usable cost beside the kit's, and
+    a reason in place of the ratio when TRL vLLM did not reach the target or did not run."""
+    cfg = vs_trl.kit_config(vs_trl.parse_args(["--quick"]))
+    kit = vs_trl.SideResult("grpo-kit", [(0, 0.0, 0.3), (2, 5.0, 0.7), (4, 9.0, 0.9)], 96, 9.0,
+                            {"kit_usable_cost_s": 0.5, "kit_startup_s": 30.0})
+    trl = vs_trl.SideResult("TRL", [(0, 0.0, 0.3), (2, 4.0, 0.8), (4, 8.0, 0.95)], 96, 8.0,
+                            {"trl_usable_cost_s": 0.25, "trl_frac_zero_std": 0.5})
+    vllm = vs_trl.SideResult("TRL vLLM", [(0, 0.0, 0.3), (2, 3.0, 0.85), (4, 6.0, 0.92)], 96, 6.0,
+                             {"trl_vllm_usable_cost_s": 0.2, "trl_vllm_frac_zero_std": 0.25, "trl_vllm_startup_s": 50.0})
+    out = vs_trl.report(cfg, kit, trl, [], 1.0, {}, trl_vllm=vllm)
+    assert out["target_acc"] == pytest.approx(0.88)  # the smallest final accuracy of all three, minus 0.02
+    assert out["trl_vllm_time_to_target_s"] == 6.0 and out["time_ratio_vs_trl_vllm"] == pytest.approx(9.0 / 6.0)
+    assert out["time_ratio_vs_trl_vllm_reason"] is None and out["time_ratio"] == pytest.approx(9.0 / 8.0)
+    assert (out["kit_usable_cost_s"], out["trl_usable_cost_s"], out["trl_vllm_usable_cost_s"]) == (0.5, 0.25, 0.2)
+    table = capsys.readouterr().out
+    assert "TRL vLLM" in table and "usable cost" in table
+    # the lowest final accuracy sets the target for every run: TRL vLLM's 0.6, reached at its last step
+    slow = vs_trl.SideResult("TRL vLLM", [(0, 0.0, 0.3), (2, 3.0, 0.5), (4, 6.0, 0.6)], 96, 6.0)
+    assert vs_trl.report(cfg, kit, trl, [], 1.0, {}, trl_vllm=slow)["trl_vllm_time_to_target_s"] == 6.0
+    empty = vs_trl.SideResult("TRL vLLM")  # no checkpoint: no final accuracy, so no target for anyone
+    assert vs_trl.report(cfg, kit, trl, [], 1.0, {}, trl_vllm=empty)["time_ratio_vs_trl_vllm_reason"].startswith("no target")
+    out = vs_trl.report(cfg, kit, trl, [], 1.0, {}, failed={"TRL vLLM": "ImportError: no vllm"})
+    assert out["time_ratio_vs_trl_vllm"] is None
+    assert out["time_ratio_vs_trl_vllm_reason"] == "TRL vLLM did not run: ImportError: no vllm"
+    assert "not in --sides" in vs_trl.report(cfg, kit, trl, [], 1.0, {})["time_ratio_vs_trl_vllm_reason"]
+    reps = [{"time_ratio_vs_trl_vllm": 1.5, "time_ratio_vs_trl_vllm_reason": None, "trl_vllm_usable_cost_s": 0.2},
+            {"time_ratio_vs_trl_vllm": None, "time_ratio_vs_trl_vllm_reason": "why", "trl_vllm_usable_cost_s": 0.3}]
+    summary = vs_trl.summarize(reps)
+    assert summary["time_ratio_vs_trl_vllm"] is None and summary["time_ratio_vs_trl_vllm_reason"] == "repeat 2: why"
+    assert summary["trl_vllm_usable_cost_s"] == 0.3 and summary["trl_vllm_usable_cost_s_all"] == [0.2, 0.3]
+
+
+def test_trl_usable_cost_is_the_kits_per_step_figure(vs_trl):
+    # 2 s over 4 x (1 - 0.5) = 2 usable completions, a step without spread left out, 1 s over 4
+    assert vs_trl.usable_cost_per_step([2.0, 3.0, 1.0], [0.5, 1.0, 0.0], 4) == pytest.approx(0.625)
+    assert vs_trl.usable_cost_per_step([2.0], [1.0], 4) is None
+
+
+def test_sides_flag(vs_trl):
+    assert vs_trl.parse_args([]).sides == ("kit", "dynamic", "trl", "trl_vllm")
+    assert vs_trl.parse_args(["--no-dynamic"]).sides == ("kit", "trl", "trl_vllm")
+    assert vs_trl.parse_args(["--sides", "trl_vllm,kit"]).sides == ("kit", "trl_vllm")  # always in SIDES order
+    assert vs_trl.parse_args(["--sides", "kit,trl", "--only", "trl_vllm"]).sides == ("trl_vllm",)
+    with pytest.raises(SystemExit):
+        vs_trl.parse_args(["--sides", "kit,vllm"])
+    cfg = vs_trl.kit_config(vs_trl.parse_args([]))
+    assert any("TRL vLLM" in d for d in vs_trl.differences(cfg, threads=2))
+    assert not any("TRL vLLM" in d for d in vs_trl.differences(cfg, threads=2, trl_vllm=False))
+
+
 def test_differences_are_strings(vs_trl):
     cfg = vs_trl.kit_config(vs_trl.parse_args([]))
     diffs = vs_trl.differences(cfg, threads=2)
