@@ -58,8 +58,9 @@ def route_worker_logs(client: Client, directory: str | os.PathLike, *, quiet: bo
     """
     directory = Path(directory).resolve()
     name = f"{PLUGIN}:{directory}"
-    routed = client.run_on_scheduler(lambda dask_scheduler, prefix=PLUGIN: [
-        n for n in dask_scheduler.worker_plugins if n.startswith(prefix)])
+    routed = client.run_on_scheduler(
+        lambda dask_scheduler, prefix=PLUGIN: [n for n in dask_scheduler.worker_plugins if n.startswith(prefix)]
+    )
     if routed != [name]:  # already routed there: a second registration would tear the redirection down and redo it
         for other in routed:  # another directory (an earlier run on this client): its files stop growing
             client.unregister_worker_plugin(other)
@@ -71,8 +72,9 @@ def route_worker_logs(client: Client, directory: str | os.PathLike, *, quiet: bo
 
 def unroute_worker_logs(client: Client) -> None:
     """Undo :func:`route_worker_logs`: the workers print to the streams they inherited again."""
-    names = client.run_on_scheduler(lambda dask_scheduler, prefix=PLUGIN: [
-        n for n in dask_scheduler.worker_plugins if n.startswith(prefix)])
+    names = client.run_on_scheduler(
+        lambda dask_scheduler, prefix=PLUGIN: [n for n in dask_scheduler.worker_plugins if n.startswith(prefix)]
+    )
     for name in names:
         client.unregister_worker_plugin(name)
 
