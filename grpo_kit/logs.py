@@ -58,9 +58,7 @@ def route_worker_logs(client: Client, directory: str | os.PathLike, *, quiet: bo
     """
     directory = Path(directory).resolve()
     name = f"{PLUGIN}:{directory}"
-    routed = client.run_on_scheduler(
-        lambda dask_scheduler, prefix=PLUGIN: [n for n in dask_scheduler.worker_plugins if n.startswith(prefix)]
-    )
+    routed = routed_plugins(client)
     if routed != [name]:  # already routed there: a second registration would tear the redirection down and redo it
         for other in routed:  # another directory (an earlier run on this client): its files stop growing
             client.unregister_worker_plugin(other)
@@ -70,12 +68,16 @@ def route_worker_logs(client: Client, directory: str | os.PathLike, *, quiet: bo
     return directory
 
 
-def unroute_worker_logs(client: Client) -> None:
-    """Undo :func:`route_worker_logs`: the workers print to the streams they inherited again."""
-    names = client.run_on_scheduler(
+def routed_plugins(client: Client) -> list[str]:
+    """The names of the log plugins registered on ``client``'s scheduler (one per routed directory)."""
+    return client.run_on_scheduler(
         lambda dask_scheduler, prefix=PLUGIN: [n for n in dask_scheduler.worker_plugins if n.startswith(prefix)]
     )
-    for name in names:
+
+
+def unroute_worker_logs(client: Client) -> None:
+    """Undo :func:`route_worker_logs`: the workers print to the streams they inherited again."""
+    for name in routed_plugins(client):
         client.unregister_worker_plugin(name)
 
 
