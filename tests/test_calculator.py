@@ -127,6 +127,10 @@ def test_questions_are_seeded_disjoint_and_multi_digit():
     assert len({p.id for p in train}) == 400
     with pytest.raises(ValueError):
         calculator.problems("heldout", 100, n_digits=1, factor_digits=1)
+    n = calculator.available("train", 2, 1)  # what a caller may ask of a shape, and no more
+    assert len(calculator.problems("train", n, n_digits=2, factor_digits=1)) == n
+    with pytest.raises(ValueError, match="calculator.available"):
+        calculator.problems("train", n + 1, n_digits=2, factor_digits=1)
 
 
 def test_registered_and_configured():

@@ -51,3 +51,38 @@ def test_a_worker_slower_to_come_back_than_the_lost_worker_timeout_keeps_its_nan
             assert cluster.workers.get("rollout-0") is nanny and len(cl.workers_with(client, cl.ROLLOUT)) == 1
         finally:
             cl.shutdown(client)
+
+
+def _start_of_this_worker() -> dict:
+    import os
+    import sys
+
+    return {"ppid": os.getppid(), "preloaded": [m in sys.modules for m in ("torch", "transformers", "vllm")],
+            "mark": os.environ.get("GRPO_KIT_TEST_MARK"), "omp": os.environ.get("OMP_NUM_THREADS")}
+
+
+def test_workers_are_forked_with_the_heavy_imports_done_and_the_current_environment(client, monkeypatch):
+    """connect's default worker_start: every worker is forked from one server that imported torch,
+    transformers and vLLM once (a spawned worker imports them when a task needs them: 44 s
+    for a cluster of three, imports included, against 0.8 s forked), and sees the environment as it is
+    when its cluster is started, not as it was when the server started; ``spawn`` still spawns."""
+    import os
+
+    forked = client.run(_start_of_this_worker)
+    assert all(w["preloaded"] == [True] * 3 and w["ppid"] != os.getpid() for w in forked.values()), forked
+    monkeypatch.setenv("GRPO_KIT_TEST_MARK", "set after the server started")
+    later = cl.connect(n_rollout_workers=1, n_trainer_workers=0, quiet=True)
+    try:
+        (w,) = later.run(_start_of_this_worker).values()
+        assert w["mark"] == "set after the server started" and w["omp"] == "1" and w["preloaded"] == [True] * 3
+    finally:
+        cl.shutdown(later)
+    spawned = cl.connect(n_rollout_workers=1, n_trainer_workers=0, worker_start="spawn", quiet=True)
+    try:
+        (w,) = spawned.run(_start_of_this_worker).values()
+        assert w["ppid"] == os.getpid() and w["preloaded"][1:] == [False] * 2 and w["mark"] is not None  # torch: ThreadsPlugin
+    finally:
+        cl.shutdown(spawned)
+        cl.use_worker_start("forkserver")  # the rest of the suite's clusters, as connect's default
+    with pytest.raises(ValueError, match="worker_start"):
+        cl.connect(worker_start="fork", quiet=True)
