@@ -49,7 +49,7 @@ FORMAT_VERSION = 3
 """Bumped whenever the recipe below changes what gets built (invalidates caches)."""
 TASKS = ("add", "multiply")
 """Pretraining tasks: noisy column addition, or the calculator task's tool episodes."""
-TOOL_FIELDS = ("task", "tool_rate", "factor_digits")
+TOOL_FIELDS = ("task", "tool_rate", "factor_digits", "extra_shapes")
 """The spec fields of the tool variant (left out of an addition spec's key, so it is unchanged)."""
 
 
@@ -86,12 +86,25 @@ class TinySpec:
     """``task="multiply"``: the share of demonstrations that call the tool (the others guess wrong)."""
     factor_digits: int = 2
     """``task="multiply"``: digits of the second factor (the first has ``n_digits``)."""
+    extra_shapes: tuple[tuple[int, int], ...] = ()
+    """``task="multiply"``: more ``(n_digits, factor_digits)`` question shapes pretrained beside the
+    main one, in equal shares, so products (and tool results) of every length up to the longest are
+    demonstrated: a model that saw mostly 5-digit results copies a 5-digit result but not a 4-digit
+    one (``bench/tool_copy.py``). Training split only; the held-out questions stay unseen."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if not 0.0 <= self.tool_rate <= 1.0:
             raise ValueError(f"tool_rate must be in [0, 1], got {self.tool_rate}")
+        object.__setattr__(self, "extra_shapes", tuple(tuple(int(d) for d in s) for s in self.extra_shapes))
+        if any(len(s) != 2 or not all(1 <= d <= 9 for d in s) for s in self.extra_shapes):
+            raise ValueError(f"extra_shapes must be (n_digits, factor_digits) pairs of 1..9, got {self.extra_shapes}")
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """The ``(n_digits, factor_digits)`` shapes a ``task="multiply"`` model is pretrained on."""
+        return ((self.n_digits, self.factor_digits), *(s for s in self.extra_shapes if s != (self.n_digits, self.factor_digits)))
 
     @property
     def head_dim(self) -> int:
@@ -104,13 +117,15 @@ class TinySpec:
             for k in TOOL_FIELDS:
                 del spec[k]
         else:  # the stream format itself: a change in the renderer or the tool rebuilds the model
+            if not self.extra_shapes:  # a spec without extra shapes keeps the key it had before they existed
+                del spec["extra_shapes"]
             extra["stream"] = tool_episode(_multiply_problems(1, "train", 0, self)[0], call=True, rng=random.Random(0))
         blob = json.dumps({"spec": spec, "format": FORMAT_VERSION, "template": data.format_prompt("{question}"), **extra},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3)
+TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3, extra_shapes=((2, 1), (2, 2), (3, 1), (3, 3), (4, 2)))
 """The spec of the built-in ``"tiny-tools"`` model (the calculator task's tool episodes)."""
 
 
@@ -124,7 +139,7 @@ def _tokenizer_corpus(n: int = 4000, spec: TinySpec | None = None) -> list[str]:
     for p in data.synthetic_problems(n, split="train", seed=1234, n_digits=3, n_terms=2):
         out.append(p.prompt + data.demonstration(data.parse_terms(p.question), slip_rate=0.5, rng=rng))
     if spec is not None and spec.task == "multiply":
-        for p in _multiply_problems(n, "train", 1234, spec):
+        for p in _pretrain_problems(n, 1234, spec):
             out.append("".join(text for text, _ in tool_episode(p, call=rng.random() < 0.5, rng=rng)))
     return out
 
@@ -133,6 +148,18 @@ def _multiply_problems(n: int, split: str, seed: int, spec: TinySpec) -> list[da
     from .tasks import calculator
 
     return calculator.problems(split, n, seed, n_digits=spec.n_digits, factor_digits=spec.factor_digits)
+
+
+def _pretrain_problems(n: int, seed: int, spec: TinySpec) -> list[data.Problem]:
+    """About ``n`` distinct training questions of a ``task="multiply"`` spec: an equal share per shape
+    (:attr:`TinySpec.shapes`), each capped at what the shape has (:func:`calculator.available`), so a
+    long pretraining run or a small shape asks for no more questions than exist."""
+    from .tasks import calculator
+
+    share = -(-n // len(spec.shapes))
+    return [p for nd, fd in spec.shapes
+            for p in calculator.problems("train", min(share, calculator.available("train", nd, fd)), seed,
+                                         n_digits=nd, factor_digits=fd)]
 
 
 def wrong_guess(answer: int, rng: random.Random) -> int:
@@ -273,7 +300,7 @@ def pretrain(spec: TinySpec, *, progress: bool = True):
     rng = random.Random(spec.seed)
     n_problems = min(60000, spec.steps * spec.batch_size // 2)
     if spec.task == "multiply":
-        problems = _multiply_problems(n_problems, "train", spec.seed, spec)
+        problems = _pretrain_problems(n_problems, spec.seed, spec)
     else:
         problems = data.synthetic_problems(n_problems, split="train", seed=spec.seed, n_digits=spec.n_digits,
                                            n_terms=spec.n_terms)

@@ -112,6 +112,29 @@ def test_default_spec_key_is_unchanged_by_the_tool_fields():
         tiny.TinySpec(task="multiply", tool_rate=1.5)
 
 
+def test_extra_shapes_cover_every_result_length_and_never_ask_for_more_questions_than_exist():
+    """The tool model's pretraining shapes (``extra_shapes``): products of every length from 2 to 6
+    digits are demonstrated (a model that saw mostly 5-digit results did not copy a 4-digit one:
+    bench/tool_copy.py), each shape capped at the questions it has, none held out; a spec without
+    extra shapes keeps its key (the shipped tiny-tools build of before still matches its spec)."""
+    from grpo_kit.tasks import calculator
+
+    assert tiny.TinySpec(task="multiply", tool_rate=0.3).key() == "ecc4570c71fa"
+    assert tiny.TOOLS_SPEC.shapes[0] == (3, 2) and len(tiny.TOOLS_SPEC.shapes) > 1
+    probs = tiny._pretrain_problems(60000, 0, tiny.TOOLS_SPEC)
+    assert {len(p.gold) for p in probs} == {2, 3, 4, 5, 6}
+    assert len({p.id for p in probs}) == len(probs)
+    assert not any(calculator.is_heldout(p.columns["a"], p.columns["b"]) for p in probs)
+    assert sum(p.id.startswith("mul-") and len(str(p.columns["a"])) == 2 and p.columns["b"] < 10 for p in probs) \
+        == calculator.available("train", 2, 1)  # the small shape gives all it has, no more
+    # a long run of the single-shape spec asked calculator.problems for more questions than exist (crashed past 1139 steps)
+    long = tiny.TinySpec(task="multiply", steps=1500)
+    assert len(tiny._pretrain_problems(long.steps * long.batch_size // 2, 0, long)) == calculator.available("train")
+    with pytest.raises(ValueError, match="extra_shapes"):
+        tiny.TinySpec(task="multiply", extra_shapes=((3, 0),))
+    assert tiny.TinySpec(task="multiply", extra_shapes=[[2, 1]]).extra_shapes == ((2, 1),)  # lists become tuples
+
+
 @pytest.fixture(scope="module")
 def tools_tok():
     return tiny.build_tokenizer(SMALL_TOOLS)
