@@ -125,7 +125,7 @@ class TinySpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3, extra_shapes=((2, 1), (2, 2), (3, 1), (3, 3), (4, 2)))
+TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3)
 """The spec of the built-in ``"tiny-tools"`` model (the calculator task's tool episodes)."""
 
 
@@ -400,7 +400,8 @@ def prebuilt(spec: TinySpec | None = None) -> Path | None:
         return None
     record = tiny_info(d)
     held = record.get("spec", {})  # the addition model's record predates the tool fields
-    if record.get("key") != spec.key() or any(held.get(k, v) != v for k, v in dataclasses.asdict(spec).items()):
+    want = json.loads(json.dumps(dataclasses.asdict(spec)))  # as the record holds it (tuples are lists in JSON)
+    if record.get("key") != spec.key() or any(held.get(k, v) != v for k, v in want.items()):
         return None
     return d
 

@@ -64,6 +64,11 @@ def test_a_shipped_copy_of_another_spec_is_not_used(tmp_path, monkeypatch):
     assert tiny.prebuilt(spec) is None
     (fake / "grpo_kit_tiny.json").write_text(json.dumps({"key": spec.key(), "spec": spec.__dict__}))
     assert tiny.prebuilt(spec) == fake
+    mixed = tiny.TinySpec(task="multiply", steps=3, extra_shapes=((2, 1),))  # its record holds the shapes as lists
+    shipped = tmp_path / "prebuilt" / f"tiny-{mixed.key()}"
+    shipped.mkdir()
+    (shipped / "grpo_kit_tiny.json").write_text(json.dumps({"key": mixed.key(), "spec": mixed.__dict__}))
+    assert tiny.prebuilt(mixed) == shipped
 
 
 def test_tokenizer_round_trips_and_spells_digits():
@@ -120,8 +125,9 @@ def test_extra_shapes_cover_every_result_length_and_never_ask_for_more_questions
     from grpo_kit.tasks import calculator
 
     assert tiny.TinySpec(task="multiply", tool_rate=0.3).key() == "ecc4570c71fa"
-    assert tiny.TOOLS_SPEC.shapes[0] == (3, 2) and len(tiny.TOOLS_SPEC.shapes) > 1
-    probs = tiny._pretrain_problems(60000, 0, tiny.TOOLS_SPEC)
+    mixed = tiny.TinySpec(task="multiply", extra_shapes=((2, 1), (2, 2), (3, 1), (3, 3), (4, 2)))
+    assert mixed.shapes[0] == (3, 2) and len(mixed.shapes) == 6 and mixed.key() != tiny.TinySpec(task="multiply").key()
+    probs = tiny._pretrain_problems(60000, 0, mixed)
     assert {len(p.gold) for p in probs} == {2, 3, 4, 5, 6}
     assert len({p.id for p in probs}) == len(probs)
     assert not any(calculator.is_heldout(p.columns["a"], p.columns["b"]) for p in probs)
