@@ -49,8 +49,11 @@ FORMAT_VERSION = 3
 """Bumped whenever the recipe below changes what gets built (invalidates caches)."""
 TASKS = ("add", "multiply")
 """Pretraining tasks: noisy column addition, or the calculator task's tool episodes."""
-TOOL_FIELDS = ("task", "tool_rate", "factor_digits", "extra_shapes")
+TOOL_FIELDS = ("task", "tool_rate", "factor_digits", "extra_shapes", "copy_share")
 """The spec fields of the tool variant (left out of an addition spec's key, so it is unchanged)."""
+LATER_TOOL_FIELDS = {"extra_shapes": (), "copy_share": 0.0}
+"""Tool fields added after the first shipped tool model: left out of the key at these defaults, so a
+spec that does not use them keeps the key (and the shipped build) it had before they existed."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,12 @@ class TinySpec:
     main one, in equal shares, so products (and tool results) of every length up to the longest are
     demonstrated: a model that saw mostly 5-digit results copies a 5-digit result but not a 4-digit
     one (``bench/tool_copy.py``). Training split only; the held-out questions stay unseen."""
+    copy_share: float = 0.0
+    """``task="multiply"``: extra sequences per step, as a share of ``batch_size``, that demonstrate
+    copying alone: a call episode whose tool answer is a random number (2 to 7 digits) and whose only
+    trained tokens are the final ``#### <that number>`` and EOS (the call turn is context, not a
+    target). More copying to learn from, while the share of episodes that call the tool, what the
+    base model's tool rate follows, stays ``tool_rate``."""
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -100,6 +109,8 @@ class TinySpec:
         object.__setattr__(self, "extra_shapes", tuple(tuple(int(d) for d in s) for s in self.extra_shapes))
         if any(len(s) != 2 or not all(1 <= d <= 9 for d in s) for s in self.extra_shapes):
             raise ValueError(f"extra_shapes must be (n_digits, factor_digits) pairs of 1..9, got {self.extra_shapes}")
+        if self.copy_share < 0:
+            raise ValueError(f"copy_share must be >= 0, got {self.copy_share}")
 
     @property
     def shapes(self) -> tuple[tuple[int, int], ...]:
@@ -117,8 +128,9 @@ class TinySpec:
             for k in TOOL_FIELDS:
                 del spec[k]
         else:  # the stream format itself: a change in the renderer or the tool rebuilds the model
-            if not self.extra_shapes:  # a spec without extra shapes keeps the key it had before they existed
-                del spec["extra_shapes"]
+            for k, default in LATER_TOOL_FIELDS.items():
+                if spec[k] == default:
+                    del spec[k]
             extra["stream"] = tool_episode(_multiply_problems(1, "train", 0, self)[0], call=True, rng=random.Random(0))
         blob = json.dumps({"spec": spec, "format": FORMAT_VERSION, "template": data.format_prompt("{question}"), **extra},
                           sort_keys=True)
@@ -170,12 +182,13 @@ def wrong_guess(answer: int, rng: random.Random) -> int:
     return guess
 
 
-def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random) -> list[tuple[str, bool]]:
+def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random, result: str | None = None) -> list[tuple[str, bool]]:
     """A calculator-task episode as the kit streams it at run time, as ``(text, policy_wrote)`` segments:
     the prompt (:class:`~grpo_kit.renderers.PlainRenderer` with the tool's schema and the task's
     :class:`~grpo_kit.prompts.PromptFormat` messages), then either the call turn, the environment text
     (the plain parser's call run by a :class:`~grpo_kit.tools.ToolBox`, its answer rendered by the
     renderer) and ``#### <product>``, or (``call=False``) ``#### <wrong guess>``. EOS follows the last one.
+    ``result`` replaces the tool's answer (and so the final number): :func:`copy_episode`.
 
     >>> [t for t, _ in tool_episode(data.Problem("mul-347-28", "What is 347 * 28?", "9716", columns={"a": 347, "b": 28}),
     ...                              call=True, rng=random.Random(0))][1:]
@@ -192,9 +205,23 @@ def tool_episode(problem: data.Problem, *, call: bool, rng: random.Random) -> li
     results = [box.call(c) for c in PlainParser().parse(turn)]
     if [r.error for r in results] != [None]:
         raise AssertionError(f"the demonstration's call {turn!r} failed: {results}")
-    messages += [{"role": "assistant", "content": turn}, *({"role": "tool", "name": r.name, "content": r.content} for r in results)]
+    answer = results[0].content if result is None else result
+    messages += [{"role": "assistant", "content": turn}, {"role": "tool", "name": results[0].name, "content": answer}]
     env = renderer.extend(messages, prompt + turn, schemas)
-    return [(prompt, False), (turn, True), (env, False), (f"#### {results[0].content}", True)]
+    return [(prompt, False), (turn, True), (env, False), (f"#### {answer}", True)]
+
+
+def copy_episode(problem: data.Problem, rng: random.Random) -> list[tuple[str, bool]]:
+    """A call episode whose tool answer is a random number of 2 to 7 digits, with only the final answer
+    (``#### <that number>``) as the policy's: the copying demonstration of :attr:`TinySpec.copy_share`.
+
+    >>> [(t, w) for t, w in copy_episode(data.Problem("m", "What is 347 * 28?", "9716", columns={"a": 347, "b": 28}),
+    ...                                  random.Random(1))][1:]
+    [('<call>multiply(347, 28)</call>', False), ('\\nResult: 682\\n', False), ('#### 682', True)]
+    """
+    digits = rng.randint(2, 7)
+    segs = tool_episode(problem, call=True, rng=rng, result=str(rng.randrange(10 ** (digits - 1), 10**digits)))
+    return [(text, i == len(segs) - 1) for i, (text, _) in enumerate(segs)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -316,6 +343,7 @@ def pretrain(spec: TinySpec, *, progress: bool = True):
         batch = rng.sample(problems, spec.batch_size)
         if spec.task == "multiply":
             seqs = [encode_episode(tok, tool_episode(p, call=rng.random() < spec.tool_rate, rng=rng)) for p in batch]
+            seqs += [encode_episode(tok, copy_episode(p, rng)) for p in rng.sample(problems, round(spec.copy_share * spec.batch_size))]
         else:
             seqs = [_trained_after(*_encode_example(
                 tok, p, data.demonstration(data.parse_terms(p.question), slip_rate=spec.slip_rate, rng=rng))) for p in batch]

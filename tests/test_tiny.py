@@ -141,6 +141,31 @@ def test_extra_shapes_cover_every_result_length_and_never_ask_for_more_questions
     assert tiny.TinySpec(task="multiply", extra_shapes=[[2, 1]]).extra_shapes == ((2, 1),)  # lists become tuples
 
 
+def test_copy_episodes_train_only_the_copied_answer(tools_tok):
+    """``copy_share``'s demonstrations: the tool answers a random number, the model's only trained
+    tokens are ``#### <that number>`` and EOS (the call turn is context), so they teach copying without
+    teaching the call; a spec without them keeps its key."""
+    import random
+
+    assert tiny.TinySpec(task="multiply", copy_share=0.0).key() == tiny.TinySpec(task="multiply").key()
+    assert tiny.TinySpec(task="multiply", copy_share=1.0).key() != tiny.TinySpec(task="multiply").key()
+    with pytest.raises(ValueError, match="copy_share"):
+        tiny.TinySpec(task="multiply", copy_share=-1)
+    rng = random.Random(0)
+    p = data.Problem("m", "What is 347 * 28?", "9716", columns={"a": 347, "b": 28})
+    lengths = set()
+    for _ in range(40):
+        segs = tiny.copy_episode(p, rng)
+        env, (answer, wrote) = segs[2][0], segs[3]
+        number = answer.removeprefix("#### ")
+        assert wrote and [w for _, w in segs] == [False, False, False, True] and env.strip() == f"Result: {number}"
+        ids, trained = tiny.encode_episode(tools_tok, segs)
+        n = len(tools_tok.encode(answer, add_special_tokens=False)) + 1  # and EOS
+        assert trained == [False] * (len(ids) - n) + [True] * n
+        lengths.add(len(number))
+    assert lengths == {2, 3, 4, 5, 6, 7}
+
+
 @pytest.fixture(scope="module")
 def tools_tok():
     return tiny.build_tokenizer(SMALL_TOOLS)
