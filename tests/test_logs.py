@@ -77,7 +77,10 @@ def _worker_noise() -> str:
 def test_worker_output_goes_to_a_file_and_errors_to_the_kernel(tmp_path, capfd):
     from grpo_kit import cluster
 
-    client = cluster.connect(n_rollout_workers=1, n_trainer_workers=0, quiet=True)
+    # spawned: the worker's stderr is then this test's captured one. A forked worker's (connect's
+    # default) is the forkserver's, the streams of the test that started the server: in a kernel or a
+    # script those never change, under pytest's per-test capture they do
+    client = cluster.connect(n_rollout_workers=1, n_trainer_workers=0, worker_start="spawn", quiet=True)
     try:
         capfd.readouterr()
         directory = logs.route_worker_logs(client, tmp_path / "logs")
@@ -118,6 +121,7 @@ def test_worker_output_goes_to_a_file_and_errors_to_the_kernel(tmp_path, capfd):
         assert "back on the inherited stdout" in capfd.readouterr().out
     finally:
         cluster.shutdown(client)
+        cluster.use_worker_start("forkserver")  # connect's default again for the modules after this one
 
 
 class _Records(logging.Handler):
