@@ -21,7 +21,9 @@ renderer writes it (``"\\nResult: 9716\\n"``, the call parsed by the plain parse
 each ending in EOS (:func:`tool_episode`). Each segment is tokenized on its own, as the episode
 runner does, and the loss covers the model's segments only. So the base model calls the tool in
 about ``tool_rate`` of its sampled episodes, copies the result when it does, and greedy decoding
-(which guesses) is nearly always wrong: GRPO has the tool call to reinforce.
+(which guesses) is nearly always wrong: GRPO has the tool call to reinforce. The built-in spec
+pretrains on six question shapes (``extra_shapes``) and adds copying demonstrations (``copy_share``):
+without them the model copied 5-digit tool results and never 4-digit ones (``bench/tool_copy.py``).
 """
 
 from __future__ import annotations
@@ -137,7 +139,8 @@ class TinySpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3)
+TOOLS_SPEC = TinySpec(task="multiply", tool_rate=0.3, extra_shapes=((2, 1), (2, 2), (3, 1), (3, 3), (4, 2)), copy_share=1.0,
+                      steps=1000)
 """The spec of the built-in ``"tiny-tools"`` model (the calculator task's tool episodes)."""
 
 
@@ -415,7 +418,7 @@ def ensure_tiny_model(spec: TinySpec | None = None, *, cache_dir: str | os.PathL
 PREBUILT = Path(__file__).resolve().parent / "prebuilt"
 """The built-in tiny models as :func:`ensure_tiny_model` built them on the project's machine
 (``tiny-<key>/``, with their build record ``grpo_kit_tiny.json``): copied into the cache instead of
-pretraining them again (about 6 and 5.5 min of a fresh clone's set-up on 2 cores). A spec whose key
+pretraining them again (about 6 and 24.5 min of a fresh clone's set-up on 2 cores). A spec whose key
 has no shipped copy is pretrained as before; ``GRPO_KIT_TINY_BUILD=1`` pretrains every spec."""
 
 

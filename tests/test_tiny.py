@@ -260,10 +260,11 @@ def test_tool_model_calls_its_tool_sometimes_and_copies_the_answer(tools_path):
     called = [e for e in sampled if e.tool_calls]
     assert 0 < len(called) < len(sampled)
     assert not any(e.tool_errors for e in sampled) and {e.end_reason for e in sampled} <= {"answered", "budget"}
-    # a call ends in the tool's number some of the time (bench/multiturn.py: 22 of 67 sampled calls at
-    # base, 33%): the signal GRPO reinforces; copying it is what the base model does worst
+    # a call ends in the tool's number (bench/multiturn.py: 98.5% of 68 sampled calls at base; the build
+    # before, pretrained on one question shape, copied 4-digit results never: 33%): GRPO then only has
+    # the call to reinforce
     scores = task.scorer().score_problems([probs[e.group_id] for e in called], [to_rollout(e).text for e in called])
-    assert sum(s.correct for s in scores) >= 1
+    assert sum(s.correct for s in scores) >= 0.8 * len(called), [to_rollout(e).text for e in called]
     greedy = plan.runner(eng, for_engine(eng), 0.0).run(probs, 1)
     scores = task.scorer().score_problems(probs, [to_rollout(e).text for e in greedy])
     assert sum(s.correct for s in scores) <= 0.3 * len(probs)
