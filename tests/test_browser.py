@@ -324,9 +324,10 @@ def quickstart_run(lab, browser):
     page.locator(f"{PANEL} .jp-CodeCell").nth(train).scroll_into_view_if_needed()
     time.sleep(0.5)
     page.screenshot(path=str(SHOTS / "quickstart-end.png"))
-    # scrolling re-attaches cells that JupyterLab's windowed notebook had detached, and their plotly
-    # views render again: until a view's newPlot is done its div has no layout (fresh-3 of session 12
-    # read one such div, title '', under load); read the figures once every one is drawn again
+    # fresh-3 of session 12 read the timeline's div with no layout title ('') right after the scroll and
+    # screenshot above, under load: a view caught mid-redraw (why it redrew is not established;
+    # JupyterLab 4.6's default windowing, contentVisibility, detaches no cells); read the figures once
+    # every one has its title again
     drawn = "gd => gd.layout && gd.layout.title && gd.layout.title.text"
     try:
         page.wait_for_function(f"() => [...document.querySelectorAll('{NOTEBOOK_FIGURES}')].every({drawn})", timeout=30_000)
