@@ -32,6 +32,7 @@ one the way ``__main__`` does. vLLM's CPU engine must start under ``if __name__ 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -49,13 +50,19 @@ from grpo_kit.testing import CallEveryTurn, Notes, perturbed_adapter
 
 class Timed:
     """An engine wrapper that times every ``sample_ids`` call and counts its rows, prompt ids and
-    sampled ids (what the runner needs from an engine passes through)."""
+    sampled ids (what the runner needs from an engine passes through). On an engine with continuous
+    batching (``turn_batch``) the multi-turn side's entries are engine steps instead of calls: a
+    step's rows are the turns in flight, its prompt ids those of the turns queued since the last step,
+    its tokens those of the turns that finished in it."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.tokenizer, self.stop_ids, self.max_model_len = engine.tokenizer, engine.stop_ids, engine.max_model_len
         self.prompt_format = engine.prompt_format
         self.calls: list[dict] = []
+        self.continuous = hasattr(engine, "turn_batch")
+        if self.continuous:
+            self.turn_batch = self._turn_batch
 
     def sample_ids(self, prompts, **kw):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -64,16 +71,51 @@ class Timed:
                            "tokens": sum(len(c.ids) for c in out)})
         return out
 
+    @contextlib.contextmanager
+    def _turn_batch(self, **kw):
+        with self.engine.turn_batch(**kw) as batch:
+            yield TimedBatch(batch, self.calls)
+
     def totals(self, prefix: str, wall: float, cpu: float) -> dict:
         busy, tokens = sum(c["s"] for c in self.calls), sum(c["tokens"] for c in self.calls)
+        steps = any(c.get("step") for c in self.calls)
+        rows = [c["rows"] for c in self.calls]
         return {f"{prefix}tokens": tokens, f"{prefix}calls": len(self.calls), f"{prefix}cpu_s": cpu,
+                f"{prefix}batching": "continuous (calls are engine steps)" if steps else "calls",
                 f"{prefix}tokens_per_s": tokens / wall, f"{prefix}tokens_per_cpu_s": tokens / cpu,
-                f"{prefix}rows_per_call": sum(c["rows"] for c in self.calls) / max(len(self.calls), 1),
+                f"{prefix}rows_per_call": sum(rows) / max(len(self.calls), 1), f"{prefix}rows_max": max(rows, default=0),
                 f"{prefix}prompt_tokens": sum(c["prompt_tokens"] for c in self.calls),
                 f"{prefix}wall_s": wall, f"{prefix}engine_s": busy, f"{prefix}engine_busy_share": busy / wall,
                 f"{prefix}cpu_outside_engine_s": cpu - sum(c["cpu_s"] for c in self.calls),
-                f"{prefix}call_rows": [c["rows"] for c in self.calls],
-                f"{prefix}call_tokens_per_s": [round(c["tokens"] / c["s"]) for c in self.calls]}
+                **({} if steps else {f"{prefix}call_rows": rows,
+                                     f"{prefix}call_tokens_per_s": [round(c["tokens"] / c["s"]) for c in self.calls]})}
+
+
+class TimedBatch:
+    """A :class:`~grpo_kit.episode.TurnBatch` wrapper recording each step in ``calls`` (see :class:`Timed`)."""
+
+    def __init__(self, batch, calls: list[dict]) -> None:
+        self.batch, self.calls, self.continuous = batch, calls, batch.continuous
+        self.in_flight = self.queued_prompt_tokens = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.batch.busy
+
+    def add(self, key, prompt, **kw) -> None:
+        self.batch.add(key, prompt, **kw)
+        self.in_flight += 1
+        self.queued_prompt_tokens += len(prompt)
+
+    def step(self):
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = self.batch.step()
+        self.calls.append({"s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "rows": self.in_flight,
+                           "prompt_tokens": self.queued_prompt_tokens, "tokens": sum(len(c.ids) for _, c in out),
+                           "step": True})
+        self.in_flight -= len(out)
+        self.queued_prompt_tokens = 0
+        return out
 
 
 def slow_notes(latency_s: float):
@@ -190,7 +232,8 @@ def main(argv=None) -> None:
                     version=args.version, repeats=args.repeats, episode_cfg=cfg)
         engine.close()
         print(f"{name}: multi-turn {r['multiturn_tokens_per_s']:.0f} tok/s ({r['multiturn_tokens']} model tokens, "
-              f"{r['multiturn_episodes']} episodes, {r['multiturn_turns_mean']:.2f} turns, {r['multiturn_calls']} calls of "
+              f"{r['multiturn_episodes']} episodes, {r['multiturn_turns_mean']:.2f} turns, {r['multiturn_calls']} "
+              f"{'engine steps' if r['multiturn_batching'].startswith('continuous') else 'calls'} of "
               f"{r['multiturn_rows_per_call']:.1f} rows, {r['multiturn_prompt_tokens']} prompt ids read), single-turn "
               f"{r['single_tokens_per_s']:.0f} tok/s ({r['single_tokens']} tokens, {r['single_calls']} calls, "
               f"{r['single_prompt_tokens']} prompt ids); ratio {r['multiturn_vs_single_tokens_per_s']:.3f} "

@@ -20,11 +20,12 @@ import time
 
 
 def _imports() -> bool:
+    import transformers  # noqa: F401
+    import vllm  # noqa: F401
+
     import grpo_kit.remote  # noqa: F401
     import grpo_kit.train_step  # noqa: F401
     import grpo_kit.vllm_engine  # noqa: F401
-    import transformers  # noqa: F401
-    import vllm  # noqa: F401
 
     return True
 

@@ -230,11 +230,13 @@ class EpisodeConfig:
     """Tool calls run per turn; later ones get a ``"too_many_calls"`` error answer."""
     tool_workers: int = 64
     """Threads running the episodes' tool calls on a rollout worker (episodes concurrently). Fewer
-    threads than a chunk's episodes split their tool answers into waves, and each wave's turns go to
-    the engine as a smaller batch (``bench/multiturn_throughput.py``: with 8 threads for 32 episodes
-    the engine got calls of 32, 11, 15, 8, 9 rows; with 32, of 32, 24, 16)."""
+    threads than a chunk's episodes make episodes wait for a thread (on an engine without continuous
+    batching they also split the tool answers into waves, each a smaller engine call:
+    ``bench/multiturn_throughput.py`` on the transformers engine)."""
     tool_gather_s: float = 0.05
-    """How long the runner waits for more tool answers before it samples the episodes that have one."""
+    """On an engine without continuous batching (the transformers engine), how long the runner waits
+    for more tool answers before it samples the episodes that have one. vLLM's turns join the running
+    batch as their answers come, so it does not wait."""
 
     def __post_init__(self) -> None:
         _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")

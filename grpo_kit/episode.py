@@ -21,10 +21,15 @@ environment ids) or the engine's context; ``"error"``: the environment's ``reset
 of its answers raised (:attr:`Episode.error`). A :class:`~grpo_kit.renderers.PrefixError` is raised,
 not recorded: it is a configuration fault, and training on that stream would be wrong.
 
-Scheduling: every episode whose next turn is due is sampled in one engine call (:class:`TurnEngine`);
-each episode's tool calls then run in a thread pool (in order within the episode; episodes
-concurrently), and the next engine call takes the episodes whose tools have answered (those still
-waiting after ``tool_gather_s`` join a later call), so a slow tool holds only its own episode. Seeds:
+Scheduling: an episode's next turn is queued on the engine as soon as it is due (:func:`turn_batch`).
+On an engine with continuous batching (:meth:`grpo_kit.vllm_engine.VLLMEngine.turn_batch`) each turn
+is its own request: between engine steps the runner takes the tool answers that are in (without
+waiting) and queues those episodes' next turns, which join the running batch at the next step, so
+no turn waits for the slowest row of a call or for another episode's tool. On other engines
+(:class:`WaveBatch`) the due turns are sampled in one ``sample_ids`` call; once it returns, the runner
+waits for the first tool answer and ``tool_gather_s`` more for others, and samples those episodes
+together (later answers join a later call). Either way each episode's tool calls run in a thread
+pool (in order within the episode; episodes concurrently), so a slow tool holds only its own episode. Seeds:
 turn ``t`` of the episode of ``(iteration, group_id, sample_idx)`` samples from a generator seeded
 with :func:`turn_seed` of :func:`episode_seed`, so a retried task reproduces its episodes.
 """
@@ -32,6 +37,7 @@ with :func:`turn_seed` of :func:`episode_seed`, so a retried task reproduces its
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import hashlib
 from collections import Counter
@@ -53,7 +59,9 @@ DEFAULT_TURN_TOKENS = 64
 
 class TurnEngine(Protocol):
     """What the runner needs from an engine: continue token-id prompts (:meth:`HFEngine.sample_ids`;
-    vLLM: a ``TokensPrompt`` per row with ``SamplingParams(seed=...)``)."""
+    vLLM: a ``TokensPrompt`` per row with ``SamplingParams(seed=...)``). An engine may also offer
+    ``turn_batch(version=, temperature=, stop=)``, a context manager giving a :class:`TurnBatch` with
+    continuous batching (:func:`turn_batch`)."""
 
     tokenizer: Any
     stop_ids: list[int]
@@ -61,6 +69,55 @@ class TurnEngine(Protocol):
 
     def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
                    version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]: ...
+
+
+class TurnBatch(Protocol):
+    """Turns in flight on an engine: :meth:`add` queues one, :meth:`step` advances the engine and
+    returns ``(key, continuation)`` for the turns that finished. ``continuous``: a turn added between
+    steps joins those in flight (else :meth:`step` samples everything queued, start to end)."""
+
+    continuous: bool
+
+    @property
+    def busy(self) -> bool: ...
+
+    def add(self, key: Any, prompt: Sequence[int], *, seed: int, max_new_tokens: int) -> None: ...
+
+    def step(self) -> list[tuple[Any, Continuation]]: ...
+
+
+class WaveBatch:
+    """The :class:`TurnBatch` of an engine with ``sample_ids`` only: :meth:`step` samples every turn
+    queued since the last step in one call."""
+
+    continuous = False
+
+    def __init__(self, engine: TurnEngine, version: int, temperature: float, stop: Sequence[str]) -> None:
+        self.engine, self.version, self.temperature, self.stop = engine, version, temperature, tuple(stop)
+        self.rows: list[tuple[Any, Sequence[int], int, int]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows)
+
+    def add(self, key: Any, prompt: Sequence[int], *, seed: int, max_new_tokens: int) -> None:
+        self.rows.append((key, prompt, seed, max_new_tokens))
+
+    def step(self) -> list[tuple[Any, Continuation]]:
+        rows, self.rows = self.rows, []
+        outs = self.engine.sample_ids([r[1] for r in rows], seeds=[r[2] for r in rows],
+                                      max_new_tokens=[r[3] for r in rows], version=self.version,
+                                      temperature=self.temperature, stop=self.stop)
+        return [(r[0], out) for r, out in zip(rows, outs, strict=True)]
+
+
+def turn_batch(engine: TurnEngine, version: int, temperature: float, stop: Sequence[str]):
+    """A context manager giving the engine's :class:`TurnBatch`: its own ``turn_batch`` where it has
+    one (continuous batching), else a :class:`WaveBatch` over ``sample_ids``."""
+    make = getattr(engine, "turn_batch", None)
+    if make is not None:
+        return make(version=version, temperature=temperature, stop=stop)
+    return contextlib.nullcontext(WaveBatch(engine, version, temperature, stop))
 
 
 @dataclass
@@ -348,28 +405,38 @@ class EpisodeRunner:
                 ep = Episode(p.id, group_offset + i, j, iteration, episode_seed(seed, iteration, group_offset + i, j),
                              version, p.gold)
                 lives.append(self.start(p, ep))
-        ready = [lv for lv in lives if lv.ep.end_reason is None]
+        order = {id(lv): k for k, lv in enumerate(lives)}  # handle turns and answers in a stable order
         pending: dict[cf.Future, Live] = {}
-        with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="episode-tools") as pool:
-            while ready or pending:
-                ready = [lv for lv in ready if self.budget(lv) > 0 or self.end(lv, "budget")]
-                if ready:
-                    outs = self.engine.sample_ids(
-                        [lv.ep.stream for lv in ready], seeds=[turn_seed(lv.ep.seed, lv.ep.turns) for lv in ready],
-                        max_new_tokens=[self.budget(lv) for lv in ready], version=version,
-                        temperature=self.temperature, stop=self.renderer.stop)
-                    for lv, out in zip(ready, outs, strict=True):
+        with cf.ThreadPoolExecutor(self.cfg.tool_workers, thread_name_prefix="episode-tools") as pool, \
+                turn_batch(self.engine, version, self.temperature, self.renderer.stop) as batch:
+
+            def due(lv: Live) -> None:  # queue the episode's next turn, or end it when none fits
+                if self.budget(lv) > 0:
+                    batch.add(lv, lv.ep.stream, seed=turn_seed(lv.ep.seed, lv.ep.turns), max_new_tokens=self.budget(lv))
+                else:
+                    self.end(lv, "budget")
+
+            for lv in lives:
+                if lv.ep.end_reason is None:
+                    due(lv)
+            while batch.busy or pending:
+                if batch.busy:
+                    for lv, out in sorted(batch.step(), key=lambda r: order[id(r[0])]):
                         calls = self.turn(lv, out)
                         if calls:
                             pending[pool.submit(lv.box.call_all, calls)] = lv
-                ready = []
-                if pending:
+                if batch.busy:  # turns in flight: take the answers that are in, without waiting
+                    done = {f for f in pending if f.done()}
+                elif pending:  # the engine is idle: wait for an answer (and, batching by call, for more)
                     done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                    done |= cf.wait(set(pending) - done, timeout=self.cfg.tool_gather_s)[0]
-                    for f in sorted(done, key=lambda f: lives.index(pending[f])):  # a stable batch order
-                        lv = pending.pop(f)
-                        if self.answer(lv, f.result()):
-                            ready.append(lv)
+                    if not batch.continuous:
+                        done |= cf.wait(set(pending) - done, timeout=self.cfg.tool_gather_s)[0]
+                else:
+                    done = set()
+                for f in sorted(done, key=lambda f: order[id(pending[f])]):
+                    lv = pending.pop(f)
+                    if self.answer(lv, f.result()):
+                        due(lv)
         for lv in lives:
             self.finish(lv)
         return lives

@@ -451,3 +451,43 @@ def test_episodes_on_token_id_prompts(engine, store, tiny_path):
     assert [e.completion_ids for e in runner.run(problems, 3, 1, seed=3)] == [e.completion_ids for e in a]
     assert sum(len(e.segments) >= 3 for e in a) >= len(a) // 2 and all(e.segments[-1].kind == "model" for e in a)
     assert_aligned(teacher_forced(scorer(tiny_path, store, 1), a), min_tokens=300)
+
+
+def test_turn_batch_joins_the_running_batch_and_samples_what_sample_ids_does(engine, problems):
+    """Continuous batching (the episode runner's path on vLLM): turns queued while another decodes join
+    it at the next step, and each comes back with the ids and log-probs ``sample_ids`` gives the same
+    prompt and seed. Leaving the batch with turns in flight aborts them (the next call gets only its
+    own outputs) and releases the engine."""
+    prompts = [engine.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems[:6]]
+    ref = engine.sample_ids(prompts, seeds=range(6), version=1, max_new_tokens=[MAX_NEW] * 6)
+    got, steps = {}, 0
+    with engine.turn_batch(version=1) as batch:
+        assert batch.continuous and not batch.busy
+        batch.add(0, prompts[0], seed=0, max_new_tokens=MAX_NEW)
+        for _ in range(2):
+            got.update(batch.step())
+            steps += 1
+        for k in range(1, 6):
+            batch.add(k, prompts[k], seed=k, max_new_tokens=MAX_NEW)
+        while batch.busy:
+            got.update(batch.step())
+            steps += 1
+    assert sorted(got) == list(range(6))
+    for k, c in enumerate(ref):
+        assert got[k].ids == c.ids and got[k].finish_reason == c.finish_reason
+        assert max(abs(a - b) for a, b in zip(got[k].logprobs, c.logprobs, strict=True)) < 1e-4
+    first, rest = len(ref[0].ids), max(len(c.ids) for c in ref[1:])
+    assert first > 4 and rest > 4, (first, rest)  # the case below tells joining from queueing
+    # one token per step and turn: joined, the batch takes about max(first, 2 + rest) steps; queued
+    # behind the first turn it would take first + rest
+    assert steps <= max(first, 2 + rest) + 2 < first + rest, (steps, first, rest)
+
+    with pytest.raises(RuntimeError, match="mid-chunk"):
+        with engine.turn_batch(version=1) as batch:
+            for k in range(3):
+                batch.add(k, prompts[k], seed=k, max_new_tokens=MAX_NEW)
+            batch.step()
+            raise RuntimeError("a tool failed mid-chunk")
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    again = engine.sample_ids(prompts[:2], seeds=range(2), version=1, max_new_tokens=[MAX_NEW] * 2)
+    assert [c.ids for c in again] == [c.ids for c in ref[:2]]
