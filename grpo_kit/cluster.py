@@ -1,7 +1,8 @@
 """Dask dispatch: the cluster and its worker roles.
 
 Roles are Dask worker *resources*: a worker advertising ``rollout=1`` hosts a warm engine, one
-advertising ``trainer=1`` hosts a trainer rank (``reward=1``: a scoring worker). :func:`connect` starts a
+advertising ``trainer=1`` hosts a trainer rank (``reward=1``: a scoring worker; ``eval=1``: an
+evaluation worker with its own engine). :func:`connect` starts a
 ``LocalCluster`` whose workers carry those resources (non-daemonic processes, so a vLLM engine or a
 process group can live inside them), or connects to an existing scheduler whose workers were started
 with ``--resources rollout=1`` / ``--resources trainer=1`` (dask-jobqueue: ``worker_extra_args``;
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 ENGINE_PLUGIN = "grpo-kit-engine"
 THREADS_PLUGIN = "grpo-kit-threads"
-ROLLOUT, TRAINER, REWARD = "rollout", "trainer", "reward"
+ROLLOUT, TRAINER, REWARD, EVAL = "rollout", "trainer", "reward", "eval"
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -97,6 +98,7 @@ def connect(
     n_rollout_workers: int = 1,
     n_trainer_workers: int = 1,
     n_reward_workers: int = 0,
+    n_eval_workers: int = 0,
     threads_per_worker: int = 1,
     pin_cpus: bool = False,
     security=None,
@@ -107,7 +109,7 @@ def connect(
 
     The local cluster has ``n_rollout_workers`` workers with ``rollout=1`` and
     ``n_trainer_workers`` with ``trainer=1`` (and ``n_reward_workers`` with ``reward=1``: scoring
-    apart from generation), each a non-daemonic process with
+    apart from generation; ``n_eval_workers`` with ``eval=1``: evaluation on engines of its own), each a non-daemonic process with
     ``threads_per_worker`` torch/OpenMP threads. ``pin_cpus`` gives each worker its own cores
     (round-robin over this process's CPUs), as a GPU cluster gives roles disjoint devices.
     ``security`` (a ``distributed.Security``) is passed through for TLS clusters. ``worker_start``:
@@ -136,7 +138,7 @@ def connect(
         silence_logs=logging.ERROR,
     )
     roles = ([(ROLLOUT, i) for i in range(n_rollout_workers)] + [(TRAINER, i) for i in range(n_trainer_workers)]
-             + [(REWARD, i) for i in range(n_reward_workers)])
+             + [(REWARD, i) for i in range(n_reward_workers)] + [(EVAL, i) for i in range(n_eval_workers)])
     for k, (role, i) in enumerate(roles):
         mine = [cpus[(k * threads_per_worker + j) % len(cpus)] for j in range(threads_per_worker)] if pin_cpus else cpus
         env = {
@@ -167,7 +169,7 @@ def connect(
     client.wait_for_workers(len(roles), timeout=120)
     client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)
     if not quiet:
-        extra = f" + {n_reward_workers} reward" if n_reward_workers else ""
+        extra = (f" + {n_reward_workers} reward" if n_reward_workers else "") + (f" + {n_eval_workers} eval" if n_eval_workers else "")
         print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer{extra} workers; "
               f"dashboard: {client.dashboard_link}")
     return client

@@ -386,6 +386,10 @@ class ClusterConfig:
     """LocalCluster only: workers with the ``reward`` resource, so that heavy scoring (code execution)
     scales apart from generation. Wherever workers advertise ``reward``, scoring runs on them; else
     next to generation."""
+    n_eval_workers: int = 0
+    """LocalCluster only: workers with the ``eval`` resource, each with an engine of its own, so that
+    held-out evaluation never waits for (or holds) a rollout worker's engine. Wherever workers
+    advertise ``eval``, evaluation runs on them; else on the rollout workers, after generation."""
     preflight_sizes: str = "1K:256M"
     """All-reduce sweep across the trainer ranks before the first iteration (``world_size > 1``):
     message sizes ``LO:HI`` (powers of 4) or a comma list; ``""`` skips it. Recorded as
@@ -405,6 +409,7 @@ class ClusterConfig:
         _check(self.collective_timeout_s > 0, f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         _check(self.max_restarts >= 0, f"max_restarts must be >= 0, got {self.max_restarts}")
         _check(self.n_reward_workers >= 0, f"n_reward_workers must be >= 0, got {self.n_reward_workers}")
+        _check(self.n_eval_workers >= 0, f"n_eval_workers must be >= 0, got {self.n_eval_workers}")
 
 
 @dataclass(frozen=True)

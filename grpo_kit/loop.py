@@ -144,6 +144,7 @@ def run(
             n_rollout_workers=cfg.cluster.n_rollout_workers,
             n_trainer_workers=cfg.cluster.world_size,
             n_reward_workers=cfg.cluster.n_reward_workers,
+            n_eval_workers=cfg.cluster.n_eval_workers,
             threads_per_worker=cfg.cluster.threads_per_worker,
             quiet=not progress,
         )
@@ -226,6 +227,8 @@ class _Driver:
         self.episode_kw = {"episodes": episodes, "scorer": scorer} if episodes is not None else {}
         # scoring runs on workers with the reward resource where there are any, else anywhere
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
+        # evaluation on its own workers where there are any (off the rollout engines), else after generation
+        self.eval_role = cl.EVAL if cl.workers_with(client, cl.EVAL) else cl.ROLLOUT
         self.retries = remote.TaskRetries(client, cfg.run.max_task_failures)  # resubmits what KilledWorker ends
         self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch
         self.carry_for = state["next_iteration"]  # the iteration the carry goes into
@@ -393,7 +396,7 @@ class _Driver:
             fut = self.client.submit(remote.eval_task, probs, version, self.cfg.sampling.max_new_tokens, scorer,
                                      episodes=episodes, samples=r.eval_samples, temperature=r.eval_temperature,
                                      seed=_seed(r.seed, "eval"),
-                                     key=f"{self.key}-eval{tag}-{iteration}-v{version}", resources={cl.ROLLOUT: 1},
+                                     key=f"{self.key}-eval{tag}-{iteration}-v{version}", resources={self.eval_role: 1},
                                      retries=2, priority=-10)  # generation goes first when both wait for an engine
             self.evals.append((iteration, fut))
             if name is not None:

@@ -60,6 +60,8 @@ class EvalResult(TypedDict, total=False):
     """Unix time the evaluation started."""
     end: float
     """Unix time it ended."""
+    worker: str
+    """The Dask worker's name (``eval-0`` on an evaluation worker, ``rollout-0`` on a rollout one)."""
     iteration: int
     """The iteration that submitted it (-1: the base model's, before the first)."""
     set: str

@@ -26,7 +26,7 @@ from distributed import Client, Future, WorkerPlugin, get_worker, wait
 from distributed.scheduler import KilledWorker
 
 from .adapters import AdapterStore
-from .cluster import ENGINE_PLUGIN, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, warm_workers, workers_with
+from .cluster import ENGINE_PLUGIN, EVAL, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, warm_workers, workers_with
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
 from .episode import EpisodePlan, to_rollout
@@ -66,7 +66,7 @@ class EnginePlugin(WorkerPlugin):
         self._lock = threading.Lock()
         self.warm = threading.Event()  # set once the worker's engine is built and has sampled
         self.warm_s = 0.0  # seconds that took (build included)
-        if worker.state.total_resources.get(ROLLOUT, 0):
+        if worker.state.total_resources.get(ROLLOUT, 0) or worker.state.total_resources.get(EVAL, 0):
             worker.loop.add_callback(self._warm, worker)
         else:
             self.warm.set()
@@ -341,6 +341,7 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         "reward_errors": sum(res.errors for res in results),
         "start": t0,
         "end": time.time(),
+        "worker": str(get_worker().name),
     }
 
 

@@ -345,6 +345,7 @@ def sweep_runs(
             n_rollout_workers=c.n_rollout_workers,
             n_trainer_workers=c.world_size,
             n_reward_workers=c.n_reward_workers,
+            n_eval_workers=c.n_eval_workers,
             threads_per_worker=c.threads_per_worker,
             quiet=True,
         )

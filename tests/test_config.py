@@ -41,6 +41,7 @@ def test_overrides_are_flat_and_validated():
         ({"kl_beta": -0.1}, "kl_beta must be >= 0"),
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
         ({"world_size": 0}, "world_size must be >= 1"),
+        ({"n_eval_workers": -1}, "n_eval_workers must be >= 0"),
         ({"eval_samples": -1}, "eval_samples must be >= 0"),  # 0 is greedy only
         ({"eval_temperature": 0.0}, "eval_temperature must be > 0"),  # greedy is the greedy completion
         ({"eval_sets": {"gsm8k": {"source": "x"}}}, r"eval_sets\['gsm8k'\] must be a task name"),  # no task named

@@ -152,6 +152,7 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     other = [e for e in evals if e.get("set") == "sums4"]  # eval_sets: another task's held-out set, beside
     evals = [e for e in evals if "set" not in e]
     assert sorted(e["version"] for e in evals) == [0, 2, 4] and sorted(e["version"] for e in other) == [0, 2, 4]
+    assert {e["worker"] for e in evals + other} <= {"rollout-0", "rollout-1"}  # no eval workers: the rollout ones
     assert all(e["n"] == 4 and e["samples"] == 4 for e in other)
     assert res.summary["eval_sets"]["sums4"]["acc_after"] == next(e["acc"] for e in other if e["version"] == 4)
     assert res.summary["acc_after"] == next(e["acc"] for e in evals if e["version"] == 4)
@@ -614,3 +615,21 @@ def test_functions_from_a_notebook_cell_train_on_the_ranks(tmp_path, client):
     assert [r["samples_nonzero_adv"] for r in res.records] == [0]
     saved = json.loads((res.run_dir / "config.json").read_text())["loss"]
     assert (saved["policy_loss"], saved["advantage"]) == ("__main__:sentinel_loss", "__main__:zero_advantage")
+
+
+def test_evaluation_runs_on_eval_workers_where_there_are_any(tmp_path):
+    """``n_eval_workers``: a worker with the ``eval`` resource builds an engine of its own and takes
+    every evaluation (the base model's included); generation stays on the rollout worker."""
+    client = cl.connect(n_rollout_workers=1, n_trainer_workers=1, n_eval_workers=1, quiet=True)
+    try:
+        assert cl.workers_with(client, cl.EVAL) and len(client.scheduler_info()["workers"]) == 3
+        cfg = _cfg(tmp_path, iterations=2, eval_every=1, eval_size=8, world_size=1, preflight_sizes="")
+        res = loop.run(cfg, client=client, progress=False)
+        evals = [e for r in res.records for e in r.get("evals", [])]
+        assert sorted(e["version"] for e in evals) == [0, 1, 2]
+        assert {e["worker"] for e in evals} == {"eval-0"}
+        assert res.summary["acc_before"] is not None and res.summary["acc_after"] is not None
+        # the run's warm-up waits for the rollout worker's engine only (the eval worker warms on its own)
+        assert [k.split(" ")[0] for k in res.summary["warm_up_s"]].count("engine") == 1
+    finally:
+        cl.shutdown(client)
