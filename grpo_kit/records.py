@@ -60,6 +60,9 @@ class EvalResult(TypedDict, total=False):
     """Unix time the evaluation started."""
     end: float
     """Unix time it ended."""
+    reward_metrics: dict[str, float]
+    """What the reward functions logged with ``log_metric`` while scoring the greedy completions: each
+    name's mean (``{}`` when nothing was); ``log_extra`` columns are not kept (evaluation writes no rows)."""
     worker: str
     """The Dask worker's name (``eval-0`` on an evaluation worker, ``rollout-0`` on a rollout one)."""
     iteration: int

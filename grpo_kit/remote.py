@@ -315,12 +315,13 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     extra: dict = {}
+    log = RewardLog(len(probs))  # what the rewards log for the greedy completions (log_metric: kept)
     if episodes is not None:
         engine = _engine()
         lives = episodes.runner(engine, for_engine(engine), 0.0).play(probs, 1, version)
         outs = [to_rollout(lv.ep) for lv in lives]
         rows = [r.to_dict() for r in outs]
-        results = score_episodes(scorer, probs, lives, rows, state=scorer.progress(version, version, "eval"))
+        results = score_episodes(scorer, probs, lives, rows, state=scorer.progress(version, version, "eval"), log=log)
         eps = [lv.ep for lv in lives]
         extra = {"tool_rate": sum(e.tool_calls > 0 for e in eps) / max(1, len(eps)),
                  "turns_mean": sum(e.turns for e in eps) / max(1, len(eps)),
@@ -328,7 +329,7 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
     else:
         outs = _engine().greedy(probs, version, max_new_tokens=max_new_tokens)
         results = scorer.score_problems(probs, [r.text for r in outs], completion_ids=[r.completion_ids for r in outs],
-                                        state=scorer.progress(version, version, "eval"))
+                                        state=scorer.progress(version, version, "eval"), log=log)
     if samples:
         extra.update(sampled_eval(_engine(), probs, version, max_new_tokens, scorer, episodes, samples, temperature, seed))
     correct = [res.correct for res in results]
@@ -342,6 +343,7 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         "start": t0,
         "end": time.time(),
         "worker": str(get_worker().name),
+        "reward_metrics": {name: sum(vs) / len(vs) for name, vs in log.metrics.items() if vs},
     }
 
 

@@ -608,6 +608,9 @@ def _check_conversational_run(task, res, rows, run_dir):
     from grpo_kit.prompts import PromptFormat
 
     assert [r["reward_metrics"] for r in res.records] == [{"step": 0.0}, {"step": 1.0}]
+    # evaluation's rewards log too: trainer_state's step there is the evaluated version
+    evals = [e for r in res.records for e in r.get("evals", [])]
+    assert sorted((e["version"], e["reward_metrics"]) for e in evals) == [(0, {"step": 0.0}), (2, {"step": 2.0})]
     assert all(set(r["reward_components"]) == {"correct", "think_format_reward"} for r in res.records)
     tok = Tokenizer.from_file(str(tiny.ensure_tiny_model() / "tokenizer.json"))
     fmt = PromptFormat(instruction=task.instruction)
