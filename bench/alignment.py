@@ -7,7 +7,7 @@ For each engine (vLLM with the adapter merged into its weights, vLLM with a per-
 on the model (default the tiny one; ``smollm2-135m`` is a real chat model, prompted through its chat
 template) with a non-trivial LoRA adapter (random B matrices,
 published to an AdapterStore as version 1): sample completions, recompute the log-probs of the
-same token ids with ``train_step.token_logprobs`` under the same adapter (loaded from the store the
+same token ids with ``logprobs.token_logprobs`` under the same adapter (loaded from the store the
 way the trainer loads it), and report the on-policy importance ratio ``exp(logp - old_logp)``:
 its mean (should be 1), std and the largest |delta logp|. At ``--temperature`` the engines sample
 and record the tempered distribution, and the trainer scores the same one. The last line is JSON.

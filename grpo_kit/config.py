@@ -328,7 +328,7 @@ class OptimConfig:
     """Padding-free training: each micro-batch's sequences run packed into one row (per-sequence
     position ids; with share_prompt each group's prompt once, under a 4-D mask that needs sdpa or eager
     attention), micro-batches cut by ``micro_batch_tokens`` and ranks balanced by tokens. Same
-    log-probs and update as the padded forward up to float rounding (train_step.packed_logprobs)."""
+    log-probs and update as the padded forward up to float rounding (packing.packed_logprobs)."""
     micro_batch_tokens: int = 2048
     """With packing: the most tokens one packed micro-batch holds on one rank (a shared prompt counted
     once; a longer sequence runs alone). A memory and speed knob: on CPU the packed attention is dense

@@ -14,7 +14,7 @@ i`` for problem ``i``). Contract shared by :class:`HFEngine` and :class:`~grpo_k
   ``finish_reason == "length"``.
 - ``logprobs[j]`` is ``log p(completion_ids[j])`` under the distribution actually sampled from:
   after temperature, with top-k and top-p off. At temperature 1.0 that is the policy itself,
-  which :func:`grpo_kit.train_step.token_logprobs` recomputes (the on-policy ratio is 1).
+  which :func:`grpo_kit.logprobs.token_logprobs` recomputes (the on-policy ratio is 1).
 - Seeds: problem ``i`` of a call is sampled with :func:`group_seed` ``(seed, group_offset + i)``
   (vLLM: one seeded generator per request), so a retried call reproduces its batch. The HF engine
   samples a whole call from one generator seeded with ``group_seed(seed, group_offset)``: a retried

@@ -2,7 +2,7 @@
 of a stored version as the trainer builds it, and the engine/trainer log-prob alignment check.
 
 Alignment: an engine records the sampling log-prob of every token it samples; the trainer
-recomputes the same tokens' log-probs with :func:`grpo_kit.train_step.token_logprobs` under the
+recomputes the same tokens' log-probs with :func:`grpo_kit.logprobs.token_logprobs` under the
 same adapter version. At temperature 1 they must agree (the on-policy importance ratio is 1), up to
 float rounding.
 """
@@ -46,7 +46,8 @@ def dlogp(model, rollouts, temperature: float = 1.0) -> torch.Tensor:
     """(N,) float64: the trainer's recomputed log-prob minus the sampling log-prob, over all
     completion tokens of ``rollouts`` the policy sampled (``mask`` 1; ``temperature`` scores the tempered
     distribution)."""
-    from .train_step import collate, token_logprobs
+    from .logprobs import token_logprobs
+    from .train_step import collate
 
     batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 0.0, r.mask) for r in rollouts], pad_id=0)
     with torch.no_grad():

@@ -36,8 +36,9 @@ from grpo_kit.algorithms import (
     register_policy_loss,
 )
 from grpo_kit.config import LossConfig, OptimConfig, profile
+from grpo_kit.logprobs import token_logprobs
 from grpo_kit.loss import LossStats, Normalizer, aggregate, group_advantages, grpo_loss, token_stats
-from grpo_kit.train_step import grpo_step, token_logprobs, wrap_ddp
+from grpo_kit.train_step import grpo_step, wrap_ddp
 
 F64 = torch.float64
 

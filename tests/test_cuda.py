@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from grpo_kit import config, data, tiny
+from grpo_kit.logprobs import token_logprobs
 from grpo_kit.loss import grpo_loss
-from grpo_kit.train_step import collate, grpo_step, make_optimizer, token_logprobs, wrap_ddp
+from grpo_kit.train_step import collate, grpo_step, make_optimizer, wrap_ddp
 from grpo_kit.trainer import build_policy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

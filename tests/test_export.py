@@ -20,8 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from grpo_kit import config, data, export, tasks, tiny, trainer
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
+from grpo_kit.logprobs import token_logprobs
 from grpo_kit.testing import perturbed_adapter
-from grpo_kit.train_step import collate, token_logprobs
+from grpo_kit.train_step import collate
 
 STEPS = 2
 TOL = 1e-5

@@ -1,7 +1,7 @@
 """grpo_kit.rollout: the Rollout record, and the HF engine's contract on the tiny model.
 
 The alignment tests recompute the sampled tokens' log-probs with the trainer's
-``train_step.token_logprobs`` under the same adapter version (loaded from the store the way the
+``logprobs.token_logprobs`` under the same adapter version (loaded from the store the way the
 trainer loads it): at temperature 1 the on-policy importance ratio must be 1.
 """
 

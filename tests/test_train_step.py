@@ -25,20 +25,15 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.modeling_outputs import CausalLMOutput
 
 from grpo_kit.config import LossConfig, OptimConfig
+from grpo_kit.logprobs import token_logprobs
 from grpo_kit.loss import Normalizer, grpo_loss
+from grpo_kit.packing import micro_batch_bounds
 from grpo_kit.train_step import (
     TrainBatch,
-    balanced_shard_sizes,
     collate,
     grpo_step,
     make_optimizer,
-    micro_batch_bounds,
-    pack_attention_mask,
-    pack_layout,
-    packed_logprobs,
     shard_bounds,
-    shared_prompt_logprobs,
-    token_logprobs,
     wrap_ddp,
 )
 
@@ -173,35 +168,6 @@ def test_collate_alignment():
         collate([([1], [1, 2], [-1.0], 0.0)], pad_id=0)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_matches_naive_per_position(temperature):
-    """At a temperature, the log-probs of the tempered distribution the engines sample from."""
-    model = tiny_model()
-    batch = make_batch(5, seed=1)
-    got = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask, chunk=3,
-                         temperature=temperature)
-    want = torch.zeros_like(got)
-    with torch.no_grad():
-        for b in range(len(batch)):
-            for t in range(1, batch.input_ids.shape[1]):
-                if batch.completion_mask[b, t]:
-                    # the unpadded prefix alone: padding and later tokens cannot leak in
-                    logits = model(input_ids=batch.input_ids[b : b + 1, :t]).logits[0, -1]
-                    want[b, t] = torch.log_softmax(logits / temperature, dim=-1)[batch.input_ids[b, t]]
-    assert got.shape == batch.input_ids.shape
-    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    assert (got[batch.completion_mask == 0] == 0).all()
-
-
-def test_token_logprobs_upcasts_half_logits_and_keeps_gradients():
-    model = tiny_model().to(torch.bfloat16)
-    batch = make_batch(3, seed=2)
-    got = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
-    assert got.dtype == torch.float32 and got.requires_grad
-    got.sum().backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
-
-
 def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False, temperature=1.0, build=None,
                     score_all=False):
     """The plain single-process update(s): the whole batch in one forward, no sharding, no micro-batches
@@ -259,7 +225,7 @@ def _reference_step(batches, loss_cfg, optim_cfg, max_len=None, adamw=False, tem
     return {k: after[k] - before[k] for k in after}, stats
 
 
-def _rel_err(got: dict, want: dict) -> float:
+def rel_err(got: dict, want: dict) -> float:
     num = sum(float((got[k] - want[k]).pow(2).sum()) for k in want)
     den = sum(float(want[k].pow(2).sum()) for k in want)
     return math.sqrt(num / den)
@@ -280,43 +246,6 @@ FLOAT32_LOGPROB_TOL = 8 * torch.finfo(torch.float32).eps
 a float64 model, so two layouts of the same rows (a shared prompt, or every row in full) round the
 attention weights differently, by a CPU's float32 kernels: a few float32 ulps in each log-prob (2.1e-8
 was measured on one machine, exactly 0 on another), never float64's 1e-12."""
-
-
-@pytest.mark.parametrize(("attn", "logprob_tol", "grad_tol"),
-                         [("sdpa", 1e-12, 1e-12), ("eager", FLOAT32_LOGPROB_TOL, 1e-6)])
-def test_shared_prompt_logprobs_equal_the_full_forward(attn, logprob_tol, grad_tol):
-    """Groups of different sizes and prompt lengths, a row with no completion, a group cut by the
-    batch edge: the same log-probs, and the same gradients, as running every row in full (the norms
-    in float64, see _float64_norms; eager attention's softmax is float32 even so: FLOAT32_LOGPROB_TOL)."""
-    model = tiny_model(attn=attn)
-    batch = make_batch(11, seed=4, group=4)
-    assert batch.input_ids[0, 0] == batch.input_ids[3, 0] != batch.input_ids[4, 0]  # groups share a prompt
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
-    grads = []
-    outs = []
-    for fn in (token_logprobs, shared_prompt_logprobs):
-        model.zero_grad()
-        out = fn(model, *args, chunk=5)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
-        outs.append(out.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=logprob_tol)
-    assert (outs[1][batch.completion_mask == 0] == 0).all()
-    with torch.no_grad():  # tempered: the same values as the full forward's, which differ from untempered
-        hot = [fn(model, *args, temperature=0.7) for fn in (token_logprobs, shared_prompt_logprobs)]
-    torch.testing.assert_close(hot[1], hot[0], rtol=1e-10, atol=logprob_tol)  # eager: float32 softmax here too
-    assert (hot[0] - outs[0]).abs().max() > 0.01
-    assert _rel_err(grads[1], grads[0]) < grad_tol
-    # one row, a batch of empty completions, a row of another layout
-    one = batch[2:3].trim()
-    torch.testing.assert_close(shared_prompt_logprobs(model, one.input_ids, one.attention_mask, one.completion_mask),
-                               token_logprobs(model, one.input_ids, one.attention_mask, one.completion_mask))
-    empty = batch[1:2].trim()
-    assert shared_prompt_logprobs(model, empty.input_ids, empty.attention_mask, empty.completion_mask).requires_grad
-    holes = batch.completion_mask.clone()
-    holes[0, -1] = 1  # a "completion" token on padding
-    with pytest.raises(ValueError, match="right-padded"):
-        shared_prompt_logprobs(model, batch.input_ids, batch.attention_mask, holes)
 
 
 LAYOUTS = {"padded": dict(share_prompt=False), "shared": dict(share_prompt=True),
@@ -343,7 +272,7 @@ def test_single_process_step_matches_reference(loss_type, layout, monkeypatch):
     stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg)
     delta = {k: v - before[k] for k, v in lora_params(model).items()}
     want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg)
-    assert _rel_err(delta, want_delta) < 1e-10
+    assert rel_err(delta, want_delta) < 1e-10
     _assert_stats_close(stats, want_stats)
     assert stats["samples"] == 5 and stats["clip_frac"] > 0 and stats["kl"] > 0
     assert all(p.grad is None for p in model.parameters())
@@ -365,7 +294,7 @@ def test_tempered_step_scores_the_tempered_policy_and_reference(share_prompt):
         runs[temperature] = ({k: v - before[k] for k, v in lora_params(model).items()}, stats)
     delta, stats = runs[0.7]
     want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, temperature=0.7)
-    assert _rel_err(delta, want_delta) < 1e-10
+    assert rel_err(delta, want_delta) < 1e-10
     _assert_stats_close(stats, want_stats)
     assert stats["kl"] != pytest.approx(runs[1.0][1]["kl"], rel=1e-3)  # the temperature mattered
     assert stats["ratio_mean"] != pytest.approx(runs[1.0][1]["ratio_mean"], rel=1e-3)
@@ -397,7 +326,7 @@ def test_zero_advantage_rows_are_skipped_without_changing_the_update(loss_type, 
         stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg, max_len=8)
         delta = {k: v - before[k] for k, v in lora_params(model).items()}
         want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, max_len=8)
-        assert _rel_err(delta, want_delta) < 1e-10, (kl_beta, _rel_err(delta, want_delta))
+        assert rel_err(delta, want_delta) < 1e-10, (kl_beta, rel_err(delta, want_delta))
         _assert_stats_close(stats, want_stats)
         # the forwards saw what a step on the trained rows alone sees (prompt rows included with share_prompt)
         alone = tiny_model()
@@ -455,7 +384,7 @@ def test_masked_step_matches_the_whole_stream_scored_with_the_mask_applied(loss_
     stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg)
     delta = {k: v - before[k] for k, v in lora_params(model).items()}
     want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, score_all=True)
-    assert _rel_err(delta, want_delta) < 1e-10
+    assert rel_err(delta, want_delta) < 1e-10
     _assert_stats_close(stats, want_stats)
     assert stats["tokens"] == int(batch.completion_mask.sum()) < int(stream_mask(batch).sum())
     assert stats["clip_frac"] > 0 and stats["kl"] > 0
@@ -463,7 +392,7 @@ def test_masked_step_matches_the_whole_stream_scored_with_the_mask_applied(loss_
     full = replace(batch, completion_mask=stream_mask(batch))
     other = tiny_model()
     grpo_step(other, torch.optim.SGD(other.parameters(), lr=LR), full, loss_cfg, optim_cfg)
-    assert _rel_err({k: v - before[k] for k, v in lora_params(other).items()}, want_delta) > 1e-3
+    assert rel_err({k: v - before[k] for k, v in lora_params(other).items()}, want_delta) > 1e-3
 
 
 @pytest.mark.parametrize("share_prompt", [True, False])
@@ -494,7 +423,7 @@ def test_env_token_old_logprobs_change_nothing(loss_type, old_source, is_mode, s
     assert got_stats == stats
     moved = batch.old_logp - 0.02 * batch.completion_mask  # the model tokens' (a capped row may hide one token's)
     moved_delta, moved_stats = step(replace(batch, old_logp=moved))
-    assert _rel_err(moved_delta, delta) > 1e-6
+    assert rel_err(moved_delta, delta) > 1e-6
     assert moved_stats["is_mean" if old_source == "trainer" else "ratio_mean"] != stats[
         "is_mean" if old_source == "trainer" else "ratio_mean"]
 
@@ -512,156 +441,11 @@ def test_zero_advantage_episodes_are_skipped(loss_type):
     stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, loss_cfg, optim_cfg)
     delta = {k: v - before[k] for k, v in lora_params(model).items()}
     want_delta, want_stats = _reference_step([batch], loss_cfg, optim_cfg, score_all=True)
-    assert _rel_err(delta, want_delta) < 1e-10
+    assert rel_err(delta, want_delta) < 1e-10
     _assert_stats_close(stats, want_stats)
     assert stats["tokens"] == int(batch.completion_mask.sum())
     assert stats["tokens_trained"] == int(batch.completion_mask[3:].sum())
     assert seen.rows == 3 + 1  # the second group's three rows, and its prompt once
-
-
-@pytest.mark.parametrize(("attn", "logprob_tol", "grad_tol"),
-                         [("sdpa", 1e-12, 1e-12), ("eager", FLOAT32_LOGPROB_TOL, 1e-6)])
-def test_shared_prompt_logprobs_on_episode_rows(attn, logprob_tol, grad_tol):
-    """Rows with environment holes: the shared prompt runs once per group and the values and
-    gradients equal the full forward's; holes on real tokens are legal, scored padding is not."""
-    model = tiny_model(attn=attn)
-    batch = make_episode_batch(10, seed=22, group=4)
-    assert env_positions(batch).sum() >= 6
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
-    outs, grads = [], []
-    for fn in (token_logprobs, shared_prompt_logprobs):
-        model.zero_grad()
-        seen = RowCounter(model)
-        out = fn(model, *args, chunk=5)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
-        outs.append(out.detach())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-    assert seen.rows == 3 + 10  # 3 prompts (groups of 4, 4, 2) once, then the 10 rows on their caches
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=logprob_tol)
-    assert (outs[1][batch.completion_mask == 0] == 0).all()
-    assert _rel_err(grads[1], grads[0]) < grad_tol
-    # the environment tokens scored too (the whole stream): the model tokens' values are the same
-    whole = shared_prompt_logprobs(model, batch.input_ids, batch.attention_mask, stream_mask(batch))
-    torch.testing.assert_close(whole.detach() * batch.completion_mask, outs[0], rtol=1e-10, atol=logprob_tol)
-    assert (whole[env_positions(batch)] != 0).all()
-    pad = batch.completion_mask.clone()
-    pad[0, -1] = 1  # a scored token on padding (row 0 is shorter than the batch)
-    assert batch.attention_mask[0, -1] == 0
-    for fn in (token_logprobs, shared_prompt_logprobs):
-        with pytest.raises(ValueError, match="right-padded"):
-            fn(model, batch.input_ids, batch.attention_mask, pad)
-    left = batch.attention_mask.clone()
-    left[0, 0] = 0  # a left pad: not collate's layout
-    with pytest.raises(ValueError, match="right-padded"):
-        shared_prompt_logprobs(model, batch.input_ids, left, batch.completion_mask)
-
-
-# ---------------------------------------------------------------- packed (padding-free) forwards
-
-
-def test_pack_layout_positions_segments_and_index():
-    """Rows 0-1 share a prompt [5, 6], row 2 has nothing scored (left out), row 3 is an episode with a hole."""
-    b = collate([([5, 6], [7, 8], [-1.0, -1.0], 1.0), ([5, 6], [9], [-1.0], 1.0), ([4], [], [], 1.0),
-                 ([3], [2, 1, 7], [-1.0, 0.0, -1.0], 1.0, [1, 0, 1])], pad_id=0)
-    args = (b.input_ids, b.attention_mask, b.completion_mask)
-    plain = pack_layout(*args)
-    ids = b.input_ids.reshape(-1)[plain.src]
-    assert ids.tolist() == [5, 6, 7, 8, 5, 6, 9, 3, 2, 1, 7]
-    assert plain.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3]  # a reset at every sequence
-    assert plain.unit.tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2]
-    assert plain.index[1].tolist() == [4, 5, 6, -1] and plain.index[2].tolist() == [-1] * 4
-    shared = pack_layout(*args, share_prompt=True)
-    assert b.input_ids.reshape(-1)[shared.src].tolist() == [5, 6, 7, 8, 9, 3, 2, 1, 7]
-    assert shared.position_ids.tolist() == [0, 1, 2, 3, 2, 0, 1, 2, 3]  # row 1's completion continues its prompt
-    assert shared.segment.tolist() == [-1, -1, 0, 0, 1, -1, 0, 0, 0]
-    assert shared.index[:2].tolist() == [[0, 1, 2, 3], [0, 1, 4, -1]]
-
-
-def _grads_of(model, out):
-    model.zero_grad()
-    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-@pytest.mark.parametrize(("attn", "logprob_tol", "grad_tol", "share_prompt"),
-                         [("sdpa", 1e-12, 1e-12, False), ("sdpa", 1e-12, 1e-12, True),
-                          ("eager", FLOAT32_LOGPROB_TOL, 1e-6, True)])  # eager: the additive 4-D mask
-def test_packed_logprobs_equal_the_padded_forward(attn, logprob_tol, grad_tol, share_prompt):
-    """Single-turn groups (a row with no completion, a group cut by the batch edge) and episodes with
-    holes: one packed row gives the padded forward's log-probs and gradients (float64; eager's softmax
-    is float32, FLOAT32_LOGPROB_TOL), tempered too."""
-    model = tiny_model(attn=attn)
-    for batch in (make_batch(11, seed=4, group=4), make_episode_batch(10, seed=22, group=4)):
-        args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
-        seen = RowCounter(model)
-        got = packed_logprobs(model, *args, share_prompt=share_prompt, chunk=5)
-        assert seen.rows == 1  # one packed row
-        want = token_logprobs(model, *args)
-        torch.testing.assert_close(got, want, rtol=1e-10, atol=logprob_tol)
-        assert (got[batch.completion_mask == 0] == 0).all()
-        assert _rel_err(_grads_of(model, got), _grads_of(model, want)) < grad_tol
-        with torch.no_grad():
-            hot = [fn(model, *args, temperature=0.7) for fn in (token_logprobs, packed_logprobs)]
-        torch.testing.assert_close(hot[1], hot[0], rtol=1e-10, atol=logprob_tol)
-    none = batch[1:2].trim()  # nothing scored: still a graph for the backward
-    assert packed_logprobs(model, none.input_ids, none.attention_mask, none.completion_mask).requires_grad
-
-
-@pytest.mark.parametrize("share_prompt", [False, True])
-def test_packed_logprobs_in_float32_match_the_padded_forward(share_prompt):
-    model = tiny_model().to(torch.float32)
-    batch = make_episode_batch(10, seed=25, group=3)
-    args = (batch.input_ids, batch.attention_mask, batch.completion_mask)
-    with torch.no_grad():
-        got = packed_logprobs(model, *args, share_prompt=share_prompt)
-        want = token_logprobs(model, *args)
-    assert got.dtype == torch.float32
-    assert (got - want).abs().max() <= 1e-6
-
-
-def test_a_packed_sequence_does_not_depend_on_its_neighbours():
-    """huggingface/trl#7087: positions that do not reset, or a mask of ones that switches transformers'
-    packed-sequence detection off, let a sequence attend to its neighbours. Row 0's log-probs are the
-    same alone and packed behind any neighbours; the same pack with positions 0..N-1 is not."""
-    model = tiny_model()
-    batch = make_batch(6, seed=7)
-    target = batch[0:1].trim()
-    alone = packed_logprobs(model, target.input_ids, target.attention_mask, target.completion_mask).detach()
-    for order in ([1, 2, 0, 3], [5, 4, 3, 2, 0], [3, 0]):
-        rows = batch[torch.tensor(order)].trim()
-        got = packed_logprobs(model, rows.input_ids, rows.attention_mask, rows.completion_mask).detach()
-        torch.testing.assert_close(got[order.index(0), : alone.shape[1]], alone[0], rtol=0, atol=1e-12)
-    lay = pack_layout(rows.input_ids, rows.attention_mask, rows.completion_mask)
-    ids = rows.input_ids.reshape(-1)[lay.src][None]
-    pos = lay.position_ids[None]
-    with torch.no_grad():
-        good = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        leaks = [model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits,
-                 model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids), use_cache=False).logits,
-                 model(input_ids=ids, position_ids=pos).logits]  # a cache switches the detection off as well
-    later = lay.unit == 1  # row 0, second in this pack
-    with torch.no_grad():  # the pack's logits of row 0 are its own forward's
-        own = model(input_ids=target.input_ids, use_cache=False).logits[0]
-    torch.testing.assert_close(good[0, later], own, rtol=0, atol=1e-12)
-    assert all((good - leak)[0, later].abs().max() > 1e-3 for leak in leaks)
-
-
-def test_micro_batches_by_token_budget_and_balanced_shards():
-    b = collate([([5, 6], [7, 8], [-1.0] * 2, 1.0), ([5, 6], [9], [-1.0], 1.0), ([4], [], [], 1.0),
-                 ([3], [2, 1, 7], [-1.0] * 3, 1.0)], pad_id=0)  # 4, 3 (1 after its group), 0, 4 tokens
-    plain = OptimConfig(micro_batch=3, share_prompt=False)
-    assert micro_batch_bounds(b, plain) == [(0, 3), (3, 4)]
-    assert micro_batch_bounds(b, replace(plain, packing=True, micro_batch_tokens=7)) == [(0, 3), (3, 4)]
-    assert micro_batch_bounds(b, replace(plain, packing=True, micro_batch_tokens=6)) == [(0, 1), (1, 3), (3, 4)]
-    shared = replace(plain, packing=True, share_prompt=True, micro_batch_tokens=5)
-    assert micro_batch_bounds(b, shared) == [(0, 3), (3, 4)]  # the group's prompt counted once
-    assert micro_batch_bounds(b, replace(shared, micro_batch_tokens=1)) == [(0, 1), (1, 3), (3, 4)]  # each alone
-    assert balanced_shard_sizes([9, 1, 1, 1], 2) == [1, 3] and balanced_shard_sizes([1, 1, 1, 9], 2) == [3, 1]
-    assert balanced_shard_sizes([2] * 6, 3) == [2, 2, 2] and balanced_shard_sizes([], 3) == [0, 0, 0]
-    assert balanced_shard_sizes([6, 0, 5, 8, 5, 5, 4], 2) == [4, 3]  # past a row that costs nothing
-    lay = pack_layout(b.input_ids, b.attention_mask, b.completion_mask, share_prompt=True)
-    with pytest.raises(ValueError, match="sdpa or eager"):  # flash attention takes no 4-D mask
-        pack_attention_mask(lay, "flash_attention_2", torch.float32)
 
 
 def test_make_optimizer_and_shard_bounds():
@@ -859,7 +643,7 @@ def test_ddp_step_matches_single_process(world_size, ddp_results):
         for rank, res in enumerate(results):
             delta, stats = res[case.name]
             # float64 throughout (norms patched, sdpa attention): only summation order differs
-            assert _rel_err(delta, want_delta) <= 1e-10, (case.name, rank, _rel_err(delta, want_delta))
+            assert rel_err(delta, want_delta) <= 1e-10, (case.name, rank, rel_err(delta, want_delta))
             # every rank reports the same (all-reduced) stats
             assert stats.keys() == rank0.keys()
             assert all(stats[k] == rank0[k] or (stats[k] is not None and math.isnan(stats[k]) and math.isnan(rank0[k]))
@@ -938,7 +722,7 @@ def test_ddp_step_on_episodes_matches_single_process(tmp_path):
         rank0 = results[0][case.name][1]
         for res in results:
             delta, stats = res[case.name]
-            assert _rel_err(delta, want_delta) <= 1e-10, (case.name, _rel_err(delta, want_delta))
+            assert rel_err(delta, want_delta) <= 1e-10, (case.name, rel_err(delta, want_delta))
             assert stats == rank0 or all(stats[k] == rank0[k] or math.isnan(rank0[k] or 0.0) for k in stats)
         _assert_stats_close(rank0, want_stats, rel=1e-9)
         last = batches[-1]
@@ -1022,7 +806,7 @@ def test_ddp_step_reduces_experts_the_sync_forward_skips(tmp_path):
     want_delta, want_stats = _reference_step(batches, ROUTED.loss, ROUTED.optim, build=routed_model)
     assert any("odd" in k for k in want_delta) and all(v.abs().sum() > 0 for v in want_delta.values())
     for delta, stats in results:
-        assert _rel_err(delta, want_delta) <= 1e-10, _rel_err(delta, want_delta)
+        assert rel_err(delta, want_delta) <= 1e-10, rel_err(delta, want_delta)
         _assert_stats_close(stats, want_stats, rel=1e-9)
 
 

@@ -18,8 +18,9 @@ from transformers import AutoTokenizer
 
 from grpo_kit import config, data, tiny, trainer
 from grpo_kit.adapters import AdapterStore
+from grpo_kit.logprobs import token_logprobs
 from grpo_kit.rollout import HFEngine
-from grpo_kit.train_step import collate, token_logprobs
+from grpo_kit.train_step import collate
 
 
 @pytest.fixture(scope="module")

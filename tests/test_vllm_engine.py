@@ -3,7 +3,7 @@
 One module-scoped engine serves every test (startup is the slow part). The adapters are LoRAs with
 random B matrices, so each version is a clearly different policy; the engine must pick up a version
 published after it started, and its log-probs must be those the trainer recomputes
-(``train_step.token_logprobs``) under the same version.
+(``logprobs.token_logprobs``) under the same version.
 """
 
 from __future__ import annotations
