@@ -327,9 +327,7 @@ class VLLMEngine:
 
     def _run(self, problems, version, max_new_tokens, params, group_offset) -> list[Rollout]:
         prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len, self.prompt_format)
-        with self._lock:
-            self._apply_threads()
-            lora = self.lora_for(version)
+        with self.holding(version) as lora:
             outs = self.llm.generate(
                 [self._TokensPrompt(prompt_token_ids=p) for p in prompts], params, lora_request=lora, use_tqdm=False
             )
@@ -354,23 +352,39 @@ class VLLMEngine:
         greedy)."""
         check_request(1, version, max(max_new_tokens, default=1), temperature or 1.0, has_store=self.store is not None)
         for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            self._check_turn(p, m, f"row {i}")
+            self.check_turn(p, m, f"row {i}")
         if not prompts:
             return []
-        params = [self._turn_params(s, m, temperature, stop) for s, m in zip(seeds, max_new_tokens, strict=True)]
+        params = [self.turn_params(s, m, temperature, stop) for s, m in zip(seeds, max_new_tokens, strict=True)]
+        with self.holding(version) as lora:
+            outs = self.llm.generate([self._TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                     lora_request=lora, use_tqdm=False)
+        return [self.continuation(out, stop) for out in outs]
+
+    @contextlib.contextmanager
+    def turn_batch(self, *, version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()):
+        """Continuous batching for :class:`grpo_kit.episode.EpisodeRunner`: a :class:`VLLMTurnBatch` that
+        holds the engine (:meth:`holding`) while turns are added and stepped; leaving it aborts the
+        turns still in flight (an error mid-chunk leaves no request behind)."""
+        check_request(1, version, 1, temperature or 1.0, has_store=self.store is not None)
+        with self.holding(version) as lora:
+            batch = VLLMTurnBatch(self, lora, temperature, tuple(stop))
+            try:
+                yield batch
+            finally:
+                batch.abort()
+
+    @contextlib.contextmanager
+    def holding(self, version: int):
+        """The engine to one caller at a time (whatever the worker's thread count), with adapter
+        ``version`` in place and this engine's torch thread count applied: yields the LoRARequest to
+        pass (None in merged mode or for version 0). Every sampling call goes through it."""
         with self._lock:
             self._apply_threads()
-            outs = self.llm.generate([self._TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                     lora_request=self.lora_for(version), use_tqdm=False)
-        return [self._continuation(out, stop) for out in outs]
+            yield self.lora_for(version)
 
-    def turn_batch(self, *, version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> VLLMTurnBatch:
-        """Continuous batching for :class:`grpo_kit.episode.EpisodeRunner`: a context that holds the
-        engine (its lock, adapter ``version``) while turns are added and stepped (:class:`VLLMTurnBatch`)."""
-        check_request(1, version, 1, temperature or 1.0, has_store=self.store is not None)
-        return VLLMTurnBatch(self, version, temperature, tuple(stop))
-
-    def _check_turn(self, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
+    def check_turn(self, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
+        """Refuse an empty token-id prompt, or one that cannot take ``max_new_tokens`` more."""
         if not prompt or len(prompt) + max_new_tokens > self.max_model_len:
             raise ValueError(f"{what}: a prompt of {len(prompt)} ids + max_new_tokens={max_new_tokens} does not fit "
                              f"max_model_len={self.max_model_len} (or the prompt is empty)")
@@ -381,7 +395,8 @@ class VLLMEngine:
         if self._cpu_threads is not None and torch.get_num_threads() != self._cpu_threads:
             torch.set_num_threads(self._cpu_threads)
 
-    def _turn_params(self, seed: int, max_new_tokens: int, temperature: float, stop: Sequence[str]):
+    def turn_params(self, seed: int, max_new_tokens: int, temperature: float, stop: Sequence[str]):
+        """The ``SamplingParams`` of one seeded continuation (processed log-probs of the sampled ids)."""
         extra = {"flat_logprobs": True} if self._flat else {}
         extra.update({"stop": list(stop), "include_stop_str_in_output": True, "detokenize": True} if stop
                      else {"detokenize": False})
@@ -389,7 +404,8 @@ class VLLMEngine:
                                     seed=int(seed), max_tokens=int(max_new_tokens),
                                     stop_token_ids=list(self.stop_ids), **extra)
 
-    def _continuation(self, out, stop: Sequence[str]) -> Continuation:
+    def continuation(self, out, stop: Sequence[str]) -> Continuation:
+        """A finished ``RequestOutput`` as a :class:`~grpo_kit.rollout.Continuation`, cut by the kit's own rule."""
         c = out.outputs[0]
         ids = list(c.token_ids)
         eos_last = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.stop_ids
@@ -417,42 +433,21 @@ class VLLMEngine:
 
 
 class VLLMTurnBatch:
-    """Turns of episodes in flight on one :class:`VLLMEngine` (continuous batching).
+    """Turns of episodes in flight on one :class:`VLLMEngine` (continuous batching; made by
+    :meth:`VLLMEngine.turn_batch`, which holds the engine meanwhile).
 
-    :meth:`add` enqueues a turn as its own request (``TokensPrompt``, seeded, the batch's adapter
-    version, temperature and stop strings); :meth:`step` runs one step of vLLM's scheduler and returns
-    the turns that finished in it, so a turn added while others decode joins the running batch at the
+    :meth:`add` enqueues a turn as its own request (``TokensPrompt``, seeded, the batch's adapter,
+    temperature and stop strings); :meth:`step` runs one step of vLLM's scheduler and returns the
+    turns that finished in it, so a turn added while others decode joins the running batch at the
     next step instead of waiting for the slowest row of a call. Sampling is seeded per request, so a
-    turn samples the same ids whenever it joins. Used as a context: entering takes the engine's lock
-    (no other call can take this batch's outputs or, in merged mode, swap the weights) and puts the
-    version in place; leaving aborts the turns still in flight (an error mid-chunk leaves no request
-    behind) and releases the lock.
+    turn samples the same ids whenever it joins.
     """
 
     continuous = True
 
-    def __init__(self, engine: VLLMEngine, version: int, temperature: float, stop: tuple[str, ...]) -> None:
-        self.engine, self.version, self.temperature, self.stop = engine, version, temperature, stop
+    def __init__(self, engine: VLLMEngine, lora, temperature: float, stop: tuple[str, ...]) -> None:
+        self.engine, self.lora, self.temperature, self.stop = engine, lora, temperature, stop
         self.keys: dict[str, object] = {}
-        self._lora = None
-
-    def __enter__(self) -> VLLMTurnBatch:
-        self.engine._lock.acquire()
-        try:
-            self.engine._apply_threads()
-            self._lora = self.engine.lora_for(self.version)
-        except BaseException:
-            self.engine._lock.release()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if self.keys:
-                self.engine.llm.llm_engine.abort_request(list(self.keys), internal=False)
-                self.keys.clear()
-        finally:
-            self.engine._lock.release()
 
     @property
     def busy(self) -> bool:
@@ -461,10 +456,10 @@ class VLLMTurnBatch:
 
     def add(self, key, prompt: Sequence[int], *, seed: int, max_new_tokens: int) -> None:
         """Enqueue a turn continuing ``prompt`` (token ids); :meth:`step` returns it with ``key``."""
-        self.engine._check_turn(prompt, max_new_tokens, "turn")
-        params = self.engine._turn_params(seed, max_new_tokens, self.temperature, self.stop)
-        (rid,) = self.engine.llm.enqueue([self.engine._TokensPrompt(prompt_token_ids=list(prompt))], [params],
-                                         lora_request=self._lora, use_tqdm=False)
+        self.engine.check_turn(prompt, max_new_tokens, "turn")
+        params = self.engine.turn_params(seed, max_new_tokens, self.temperature, self.stop)
+        llm = self.engine.llm
+        (rid,) = llm.enqueue([{"prompt_token_ids": list(prompt)}], [params], lora_request=self.lora, use_tqdm=False)
         # enqueue returns vLLM's internal id, "<external>-<random suffix>"; outputs carry the external
         # one (a counter: no "-" in it), which is also what abort_request takes with internal=False
         self.keys[rid.split("-", 1)[0]] = key
@@ -473,12 +468,18 @@ class VLLMTurnBatch:
         """One engine step; ``(key, continuation)`` of each turn that finished in it."""
         llm_engine = self.engine.llm.llm_engine
         outs = llm_engine.step()
-        done = [(self.keys.pop(o.request_id), self.engine._continuation(o, self.stop))
+        done = [(self.keys.pop(o.request_id), self.engine.continuation(o, self.stop))
                 for o in outs if o.finished and o.request_id in self.keys]
         if self.keys and not done and not llm_engine.has_unfinished_requests():
             raise RuntimeError(f"vLLM has no request left but {len(self.keys)} turns never finished "
                                f"(request ids {sorted(self.keys)[:5]})")
         return done
+
+    def abort(self) -> None:
+        """Abort the turns still in flight."""
+        if self.keys:
+            self.engine.llm.llm_engine.abort_request(list(self.keys), internal=False)
+            self.keys.clear()
 
 
 @contextlib.contextmanager
