@@ -133,7 +133,10 @@ class TinySpec:
             for k, default in LATER_TOOL_FIELDS.items():
                 if spec[k] == default:
                     del spec[k]
-            extra["stream"] = tool_episode(_multiply_problems(1, "train", 0, self)[0], call=True, rng=random.Random(0))
+            from .tasks import calculator
+
+            first = calculator.problems("train", 1, 0, n_digits=self.n_digits, factor_digits=self.factor_digits)[0]
+            extra["stream"] = tool_episode(first, call=True, rng=random.Random(0))
         blob = json.dumps({"spec": spec, "format": FORMAT_VERSION, "template": data.format_prompt("{question}"), **extra},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -157,12 +160,6 @@ def _tokenizer_corpus(n: int = 4000, spec: TinySpec | None = None) -> list[str]:
         for p in _pretrain_problems(n, 1234, spec):
             out.append("".join(text for text, _ in tool_episode(p, call=rng.random() < 0.5, rng=rng)))
     return out
-
-
-def _multiply_problems(n: int, split: str, seed: int, spec: TinySpec) -> list[data.Problem]:
-    from .tasks import calculator
-
-    return calculator.problems(split, n, seed, n_digits=spec.n_digits, factor_digits=spec.factor_digits)
 
 
 def _pretrain_problems(n: int, seed: int, spec: TinySpec) -> list[data.Problem]:
