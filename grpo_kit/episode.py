@@ -164,6 +164,9 @@ class Episode:
     """The turns and environment answers as runs of ``completion_ids``."""
     messages: list[dict] = field(default_factory=list)
     """The conversation for display: assistant content is each turn's exact text."""
+    prompt_messages: int = 0
+    """How many of :attr:`messages` are the prompt's (system message included): the episode's
+    own turns come after them, even when the prompt holds earlier assistant or tool turns."""
     end_reason: str | None = None
     """One of :data:`END_REASONS` (None while running)."""
     tool_calls: int = 0
@@ -221,11 +224,10 @@ def to_rollout(ep: Episode) -> Rollout:
 def summary(ep: Episode) -> dict[str, Any]:
     """What a rollout record keeps of an episode besides its tokens (:attr:`grpo_kit.rollout.Scored.episode`):
     counts, end reason, environment reward, and the conversation after the prompt."""
-    n_prompt = len(ep.messages) - sum(m.get("role") in ("assistant", "tool") for m in ep.messages)
     return {"turns": ep.turns, "tool_calls": ep.tool_calls, "tool_errors": dict(ep.tool_errors),
             "end_reason": ep.end_reason, "model_tokens": ep.sampled_tokens,
             "env_tokens": len(ep.completion_ids) - ep.sampled_tokens, "env_reward": ep.env_reward,
-            "error": ep.error, "messages": [dict(m) for m in ep.messages[n_prompt:]]}
+            "error": ep.error, "messages": [dict(m) for m in ep.messages[ep.prompt_messages:]]}
 
 
 @dataclass
@@ -333,6 +335,7 @@ class EpisodeRunner:
                       timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls)
         live = Live(ep, env, box, box.schemas())
         ep.messages = self.fmt.messages(prompt_of(p))  # a conversational prompt as it is
+        ep.prompt_messages = len(ep.messages)
         if env is not None:
             try:
                 obs = env.reset(**problem_row(p))
@@ -342,6 +345,7 @@ class EpisodeRunner:
             if obs is not None:
                 ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
+        ep.prompt_messages = len(ep.messages)  # the renderer may have added the tools' system message
         ep.prompt_ids = self.renderer.encode(live.history)
         if len(ep.prompt_ids) + self.turn_tokens > self.engine.max_model_len:
             raise ValueError(f"problem {p.id!r}: prompt of {len(ep.prompt_ids)} tokens + max_turn_tokens="

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from grpo_kit import config, tasks
+from grpo_kit import config, models, tasks
 from grpo_kit.tasks import calculator
 from grpo_kit.tools import HermesParser, PlainParser, ToolBox
 
@@ -142,3 +142,42 @@ def test_registered_and_configured():
     assert task.name == "calculator" and task.multi_turn
     assert tasks.for_config(cfg.override(n_digits=2)).load("train", 1)[0].columns["a"] < 100  # n_digits from the config
     assert cfg.model.model == "tiny-tools" and cfg.episode.max_turns >= 2
+
+
+def test_demos_come_before_each_question_as_earlier_turns():
+    """``demos``: worked examples as turns of each question's conversation, the same questions drawn;
+    the chat rendering shows the call, the tool's answer and the final answers before the question,
+    and an episode's completion (what the reward reads) holds none of them."""
+    from test_episode import FakeEngine
+    from transformers import AutoTokenizer
+
+    from grpo_kit.episode import EpisodeRunner, summary
+    from grpo_kit.renderers import ChatRenderer
+
+    smol_tok = AutoTokenizer.from_pretrained(models.resolve_model("smollm2-135m"))
+
+    plain = calculator.problems("train", 5, seed=2, n_digits=2)
+    shown = tasks.resolve("calculator", n_digits=2, demos="direct, tool").load("train", 5, 2)
+    assert [p.id for p in shown] == [p.id for p in plain] and all(p.messages is None for p in plain)
+    for p in shown:
+        assert [m["role"] for m in p.messages] == ["user", "assistant", "user", "assistant", "tool", "assistant", "user"]
+        assert p.messages[-1]["content"] == p.question and p.question == plain[shown.index(p)].question
+    with pytest.raises(ValueError, match="unknown demo 'calc'"):
+        tasks.resolve("calculator", demos=["tool", "calc"])
+    assert tasks.resolve("calculator", demos="").load("train", 1)[0].messages is None
+
+    task = tasks.resolve("calculator", n_digits=2, demos="tool")
+    p = task.load("heldout", 1)[0]
+    a, b = p.columns["a"], p.columns["b"]
+    call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}})
+    # the demo holds one tool answer: a second one is the episode's own
+    engine = FakeEngine(smol_tok, lambda text, turn: f"#### {a * b}" if text.count("<|im_start|>tool") > 1
+                        else f"<tool_call>{call}</tool_call>")
+    (ep,) = EpisodeRunner(engine, ChatRenderer(smol_tok), tools=task.tools).run([p], 1)
+    prompt = smol_tok.decode(ep.prompt_ids)
+    assert prompt.index("What is 23 * 41?") < prompt.index("943") < prompt.index(p.question)
+    assert ep.end_reason == "answered" and ep.tool_calls == 1 and not ep.tool_errors
+    after = summary(ep)["messages"]  # the completion the rewards get: the episode's own turns, none of the demos'
+    assert [m["role"] for m in after] == ["assistant", "tool", "assistant"] and after[1]["content"] == str(a * b)
+    score = task.scorer().score_problems([p], [after])[0]
+    assert score.correct

@@ -10,13 +10,21 @@ strict correctness). Calling the tool earns nothing by itself, and a result the 
 without calling the tool counts only if its number is right.
 
 The held-out split is disjoint from the training one (a hash of the factors decides).
+
+``demos`` (for chat models) puts worked examples before each question, as earlier turns of its
+conversation (:func:`demo_messages`): a question answered through a ``multiply`` call in the Hermes
+format, or one answered at once. A small chat model that never calls a tool on its own (SmolLM2-135M)
+follows them: which kinds, and in what order, sets how often the base model calls the tool, the
+calibration that gives GRPO a signal (``bench/multiturn.py``'s smol part).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import random
+from collections.abc import Sequence
 
 from .. import data
 from .base import Task
@@ -61,8 +69,45 @@ def available(split: str, n_digits: int = 3, factor_digits: int = 2) -> int:
     return int(0.5 * (space // 10 if split == "heldout" else space - space // 10))
 
 
-def problems(split: str, n: int, seed: int = 0, *, n_digits: int = 3, factor_digits: int = 2) -> list[data.Problem]:
-    """``n`` distinct seeded multiplication questions of one split.
+DEMOS = {"tool": (23, 41), "direct": (7, 8)}
+"""The worked examples :func:`demo_messages` knows: ``"tool"`` answers 23 * 41 through a
+``multiply`` call, ``"direct"`` answers 7 * 8 at once."""
+
+
+def demo_messages(demos: Sequence[str]) -> list[dict]:
+    """The conversation turns of worked examples (:data:`DEMOS`), in order: each a user question, then
+    for ``"tool"`` the assistant's Hermes call and the tool's answer, then the final ``#### <product>``.
+
+    >>> [m["role"] for m in demo_messages(["direct", "tool"])]
+    ['user', 'assistant', 'user', 'assistant', 'tool', 'assistant']
+    >>> demo_messages(["tool"])[1]["content"]
+    '<tool_call>{"name": "multiply", "arguments": {"a": 23, "b": 41}}</tool_call>'
+    """
+    out: list[dict] = []
+    for kind in demos:
+        if kind not in DEMOS:
+            raise ValueError(f"unknown demo {kind!r}: expected any of {sorted(DEMOS)}")
+        a, b = DEMOS[kind]
+        out.append({"role": "user", "content": question(a, b)})
+        if kind == "tool":
+            call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}})
+            out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                    {"role": "tool", "name": "multiply", "content": str(a * b)}]
+        out.append({"role": "assistant", "content": f"#### {a * b}"})
+    return out
+
+
+def demo_kinds(demos: str | Sequence[str]) -> tuple[str, ...]:
+    """``demos`` as a tuple of kinds: a sequence, or a comma-separated string (``"direct,tool"``)."""
+    kinds = tuple(k.strip() for k in demos.split(",") if k.strip()) if isinstance(demos, str) else tuple(demos)
+    demo_messages(kinds)  # unknown kinds raise here, when the task is made
+    return kinds
+
+
+def problems(split: str, n: int, seed: int = 0, *, n_digits: int = 3, factor_digits: int = 2,
+             demos: Sequence[str] = ()) -> list[data.Problem]:
+    """``n`` distinct seeded multiplication questions of one split; with ``demos``, each a
+    conversation whose worked examples (:func:`demo_messages`) come before the question.
 
     >>> [p.question for p in problems("train", 2, seed=1)]
     ['What is 455 * 15?', 'What is 526 * 27?']
@@ -76,19 +121,24 @@ def problems(split: str, n: int, seed: int = 0, *, n_digits: int = 3, factor_dig
         raise ValueError(f"asked for {n} distinct {split} questions of {n_digits} x {factor_digits} digits; "
                          f"at most {available(split, n_digits, factor_digits)} are drawn (calculator.available)")
     rng = random.Random(f"mul-{seed}-{split}-{n_digits}-{factor_digits}")
+    before = demo_messages(demos)
     seen, out = set(), []
     while len(out) < n:
         a, b = (rng.randint(lo, hi) for lo, hi in ranges)
         if (a, b) in seen or is_heldout(a, b) != (split == "heldout"):
             continue
         seen.add((a, b))
+        messages = before + [{"role": "user", "content": question(a, b)}] if demos else None
         out.append(data.Problem(id=f"mul-{a}-{b}", question=question(a, b), gold=str(a * b),
-                                columns={"a": a, "b": b}))
+                                columns={"a": a, "b": b}, messages=messages))
     return out
 
 
-def task(n_digits: int = 3, factor_digits: int = 2, format_bonus: float = 0.0, lenient_credit: float = 0.0) -> Task:
-    """Multiplication questions with the :func:`multiply` tool, rewarded on the final answer only."""
+def task(n_digits: int = 3, factor_digits: int = 2, format_bonus: float = 0.0, lenient_credit: float = 0.0,
+         demos: str | Sequence[str] = ()) -> Task:
+    """Multiplication questions with the :func:`multiply` tool, rewarded on the final answer only;
+    ``demos``: worked examples before each question (module docstring; ``"direct,tool"`` or a list)."""
     reward = functools.partial(hash_reward, format_bonus=format_bonus, lenient_credit=lenient_credit)
-    return Task("calculator", functools.partial(problems, n_digits=n_digits, factor_digits=factor_digits),
+    return Task("calculator", functools.partial(problems, n_digits=n_digits, factor_digits=factor_digits,
+                                                demos=demo_kinds(demos)),
                 [reward], names=["answer"], instruction=data.DEFAULT_INSTRUCTION, tools=[multiply])
