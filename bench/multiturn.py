@@ -13,9 +13,10 @@ Parts (``--parts``, comma-separated; each returns a dict of figures and :func:`m
   evaluations of the base and final adapters (``remote.eval_task`` on the episodes). Overrides such
   as ``lr=2e-3`` go to the profile.
 
-- ``smol``: SmolLM2-135M-Instruct on the calculator task (2-digit factors, Hermes tool calls):
-  greedy strict accuracy and sampled tool-call rate of the base model, and GRPO where it calls the
-  tool often enough to give a signal (``smol_skipped`` otherwise).
+- ``smol``: SmolLM2-135M-Instruct on the calculator task (2-digit factors, Hermes tool calls, two
+  worked call examples before each question): greedy strict accuracy and sampled tool-call rate of
+  the base model, and GRPO where it calls the tool often enough to give a signal (``smol_skipped``
+  otherwise), within ``--smol-budget-s`` (30 min) of GRPO wall time.
 - ``throughput``: multi-turn against single-turn model tokens/s on one vLLM engine
   (``bench/multiturn_throughput.py``): ``multiturn_vs_single_tokens_per_s``, ``multiturn_engine_busy_share``.
 
@@ -66,6 +67,35 @@ class BudgetSpent(Exception):
         self.iteration = iteration
 
 
+def train(cfg, budget_s: float) -> tuple:
+    """GRPO with ``cfg`` on a LocalCluster, stopped at the first iteration past ``budget_s`` of GRPO
+    wall time (then resumed for one last evaluation of the final adapter): the run's result, every
+    evaluation it made, and the learning curve (printed as it goes)."""
+    curve, evals = [], []
+
+    def collect(rec: dict) -> None:
+        for e in rec.get("evals", []):
+            evals.append(e)
+            curve.append({"iteration": rec["iteration"], "wall_s": round(rec["grpo_wall_s"], 1), "version": e["version"],
+                          "acc": e["acc"], "tool_rate": e.get("tool_rate")})
+            print(f"  iteration {rec['iteration']:3d}  wall {rec['grpo_wall_s']:6.0f} s  v{e['version']}  held-out acc "
+                  f"{e['acc']:.3f}  tool rate {e.get('tool_rate', 0):.3f}", flush=True)
+
+    def budget(rec: dict) -> None:
+        if rec["grpo_wall_s"] > budget_s:
+            raise BudgetSpent(rec["iteration"])
+
+    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
+    try:
+        res = loop.run(cfg, callbacks=[collect, budget], progress=False)
+    except BudgetSpent as stop:  # ends at an iteration boundary; resume evaluates the last adapter
+        print(f"budget of {budget_s:.0f} s spent after iteration {stop.iteration}; final evaluation", flush=True)
+        res = loop.run(cfg.override(iterations=stop.iteration + 1), resume=True, progress=False, callbacks=[collect])
+    seen = {(e["version"], e["start"]) for e in evals}  # the final evaluation is attached after the last callback
+    evals += [e for r in res.records for e in r.get("evals", []) if (e["version"], e["start"]) not in seen]
+    return res, evals, curve
+
+
 def tiny_part(args) -> dict:
     """The tiny tool model before and after GRPO (module docstring)."""
     from grpo_kit import models, tiny
@@ -81,28 +111,7 @@ def tiny_part(args) -> dict:
                    samples=cfg.sampling.group_size, seed=1)
     print(f"base, here: greedy {greedy}\n            sampled {sampled}", flush=True)
 
-    curve, evals = [], []
-
-    def collect(rec: dict) -> None:
-        for e in rec.get("evals", []):
-            evals.append(e)
-            curve.append({"iteration": rec["iteration"], "wall_s": round(rec["grpo_wall_s"], 1), "version": e["version"],
-                          "acc": e["acc"], "tool_rate": e.get("tool_rate")})
-            print(f"  iteration {rec['iteration']:3d}  wall {rec['grpo_wall_s']:6.0f} s  v{e['version']}  held-out acc "
-                  f"{e['acc']:.3f}  tool rate {e.get('tool_rate', 0):.3f}", flush=True)
-
-    def budget(rec: dict) -> None:
-        if rec["grpo_wall_s"] > args.budget_s:
-            raise BudgetSpent(rec["iteration"])
-
-    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
-    try:
-        res = loop.run(cfg, callbacks=[collect, budget], progress=False)
-    except BudgetSpent as stop:  # ends at an iteration boundary; resume evaluates the last adapter
-        print(f"budget of {args.budget_s:.0f} s spent after iteration {stop.iteration}; final evaluation", flush=True)
-        res = loop.run(cfg.override(iterations=stop.iteration + 1), resume=True, progress=False, callbacks=[collect])
-    seen = {(e["version"], e["start"]) for e in evals}  # the final evaluation is attached after the last callback
-    evals += [e for r in res.records for e in r.get("evals", []) if (e["version"], e["start"]) not in seen]
+    res, evals, curve = train(cfg, args.budget_s)
     base = next(e for e in evals if e["version"] == 0)
     final = max(evals, key=lambda e: e["version"])
     return {
@@ -121,34 +130,46 @@ def tiny_part(args) -> dict:
 SMOL_MIN_TOOL_RATE = 0.05
 """The sampled tool-call rate below which the smol part does not train: with fewer of a group's
 episodes calling the tool, GRPO has almost no group with a right answer to reinforce."""
+SMOL_DEMOS = "tool,tool"
+"""The calculator's worked examples before each smol question (``calculator.demo_messages``): without
+them SmolLM2-135M-Instruct never called the tool (0 of 32 sampled episodes); with two call examples
+it calls it, but often by a wrong name (``add``, ``divide``), which GRPO can correct."""
 
 
 def smol_part(args) -> dict:
     """SmolLM2-135M-Instruct on the calculator task (the smol profile's model and chat template, the
-    Hermes tool-call format in a system message, since its template ignores ``tools=``): greedy
-    strict accuracy and the sampled tool-call rate of the base model; GRPO only where the base model
-    calls the tool at least :data:`SMOL_MIN_TOOL_RATE` of the time (``smol_skipped`` says why not)."""
+    Hermes tool-call format in a system message, since its template ignores ``tools=``; two worked
+    call examples before each question, :data:`SMOL_DEMOS`; the final answer's strict ``####`` only,
+    no format bonus or lenient credit): greedy strict accuracy and the sampled tool-call rate of the
+    base model here; GRPO where the base model calls the tool at least :data:`SMOL_MIN_TOOL_RATE` of
+    the time (``smol_skipped`` says why not), stopped past ``--smol-budget-s``, with the run's own
+    greedy evaluations of the base and final adapters as before and after."""
     from grpo_kit import models
 
     over = {"task": "calculator", "n_digits": 2, "max_turns": 2, "max_turn_tokens": 64, "max_episode_tokens": 160,
             "max_model_len": 512, "system_prompt": None, "stop": (), "run_dir": f"{args.run_dir}/smol",
+            "task_options": {"demos": SMOL_DEMOS}, "format_bonus": 0.0, "lenient_credit": 0.0, "eval_size": 64,
             **parse_overrides(args.overrides)}
     cfg = config.profile("smol", **over)
     path = models.resolve_model(cfg.model.model, progress=False)
     greedy = play(path, cfg, args.smol_problems, temperature=0.0)
     sampled = play(path, cfg, args.smol_problems, temperature=cfg.sampling.temperature, samples=4, seed=1)
     print(f"smol base: greedy {greedy}\n           sampled {sampled}", flush=True)
-    out = {"smol_strict_before": greedy["acc"], "smol_tool_rate_before": greedy["tool_rate"],
+    out = {"smol_greedy_acc_before_here": greedy["acc"], "smol_tool_rate_before_here": greedy["tool_rate"],
            "smol_sampled_tool_rate_before": sampled["tool_rate"], "smol_sampled_acc_before": sampled["acc"],
-           "smol_eval_size": greedy["n"], "smol_strict_after": None, "smol_grpo_wall_s": None}
+           "smol_acc_when_called_before": sampled["acc_when_called"], "smol_demos": cfg.data.task_options.get("demos"),
+           "smol_strict_before": greedy["acc"], "smol_strict_after": None, "smol_grpo_wall_s": None}
     if sampled["tool_rate"] < SMOL_MIN_TOOL_RATE:
         out["smol_skipped"] = (f"the base model called the tool in {sampled['tool_rate']:.0%} of {sampled['n']} sampled "
                                f"episodes (< {SMOL_MIN_TOOL_RATE:.0%}): no signal to train on")
         return out
-    shutil.rmtree(cfg.run.run_dir, ignore_errors=True)
-    res = loop.run(cfg.override(iterations=args.smol_iterations), progress=False)
-    out.update(smol_strict_after=res.summary["acc_after"], smol_grpo_wall_s=res.summary["grpo_wall_s"],
-               smol_tool_rate_after=res.summary.get("tool_rate_after"))
+    res, evals, curve = train(cfg.override(iterations=args.smol_iterations), args.smol_budget_s)
+    base = next(e for e in evals if e["version"] == 0)
+    final = max(evals, key=lambda e: e["version"])
+    out.update(smol_strict_before=base["acc"], smol_strict_after=final["acc"], smol_tool_rate_before=base.get("tool_rate"),
+               smol_tool_rate_after=final.get("tool_rate"), smol_grpo_wall_s=res.summary["grpo_wall_s"],
+               smol_iterations=res.summary["iterations"], smol_final_version=final["version"], smol_eval_size=base["n"],
+               smol_engine=cfg.sampling.engine, smol_curve=curve)
     return out
 
 
@@ -188,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sampled-problems", type=int, default=32, help="held-out questions of the sampled base measurement")
     ap.add_argument("--smol-problems", type=int, default=16, help="held-out questions of the smol part's base measurement")
     ap.add_argument("--smol-iterations", type=int, default=40, help="GRPO iterations of the smol part (when it trains)")
+    ap.add_argument("--smol-budget-s", type=float, default=1800.0, help="stop the smol part's GRPO after this much wall time")
     ap.add_argument("overrides", nargs="*", help="profile overrides, name=value (the tiny and smol parts)")
     args = ap.parse_args(argv)
     names = [p.strip() for p in args.parts.split(",") if p.strip()]

@@ -75,8 +75,9 @@ DEMOS = {"tool": (23, 41), "direct": (7, 8)}
 
 
 def demo_messages(demos: Sequence[str]) -> list[dict]:
-    """The conversation turns of worked examples (:data:`DEMOS`), in order: each a user question, then
-    for ``"tool"`` the assistant's Hermes call and the tool's answer, then the final ``#### <product>``.
+    """The conversation turns of worked examples (:data:`DEMOS`), in order: each a user question (with
+    the task's answer instruction, as the question will have it), then for ``"tool"`` the assistant's
+    Hermes call and the tool's answer, then the final ``#### <product>``.
 
     >>> [m["role"] for m in demo_messages(["direct", "tool"])]
     ['user', 'assistant', 'user', 'assistant', 'tool', 'assistant']
@@ -88,7 +89,8 @@ def demo_messages(demos: Sequence[str]) -> list[dict]:
         if kind not in DEMOS:
             raise ValueError(f"unknown demo {kind!r}: expected any of {sorted(DEMOS)}")
         a, b = DEMOS[kind]
-        out.append({"role": "user", "content": question(a, b)})
+        # as the question itself will read: the run appends the task's instruction to the last user message
+        out.append({"role": "user", "content": f"{question(a, b)}\n{data.DEFAULT_INSTRUCTION}"})
         if kind == "tool":
             call = json.dumps({"name": "multiply", "arguments": {"a": a, "b": b}})
             out += [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
