@@ -123,7 +123,7 @@ def test_the_episode_account_is_what_the_episode_module_writes():
     from grpo_kit.episode import Episode, summary
 
     ep = Episode("p0", 0, 0, 0, 1, 0, "4", end_reason="answered",
-                 messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### 4"}])
+                 messages=[{"role": "user", "content": "q"}, {"role": "assistant", "content": "#### 4"}], prompt_messages=1)
     account = summary(ep)
     assert set(account) == set(records.EpisodeAccount.__annotations__)
     assert account["messages"] == [{"role": "assistant", "content": "#### 4"}]  # after the prompt
