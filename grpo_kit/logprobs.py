@@ -108,19 +108,15 @@ def shared_prompt_logprobs(
     seq_len = attention_mask.sum(dim=1)  # (B,) real tokens
     if B == 0 or not bool(scored.any()):  # nothing to share; the plain forward keeps the graph (and DDP) as is
         return token_logprobs(model, input_ids, attention_mask, completion_mask, chunk=chunk, temperature=temperature)
+    check_right_padded(attention_mask, "shared_prompt_logprobs")
     cols = torch.arange(T, device=device)
-    if not torch.equal((cols[None] < seq_len[:, None]).to(attention_mask.dtype), attention_mask):
-        raise ValueError("shared_prompt_logprobs needs right-padded rows of prompt then completion (train_step.collate)")
     has = scored.any(dim=1)  # (B,)
-    prompt_len = torch.where(has, scored.long().argmax(dim=1), seq_len)  # (B,) first scored column, or all
+    # each row's prompt (first scored column, or all of it) and the runs of consecutive rows sharing it
+    prompt_len, starts = prompt_runs(input_ids, attention_mask, completion_mask)  # (B,), (B,)
     comp_len = seq_len - prompt_len  # (B,) real tokens from the first scored one on
     if (prompt_len < 1).any():
         raise ValueError("shared_prompt_logprobs needs right-padded rows of prompt then completion (train_step.collate)")
-
-    # runs of consecutive rows with the same prompt
     in_prompt = cols[None] < prompt_len[:, None]  # (B, T)
-    same = (prompt_len[1:] == prompt_len[:-1]) & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(dim=1)
-    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same])  # (B,)
     run = starts.long().cumsum(0) - 1  # (B,) run index of each row
     heads = starts.nonzero().squeeze(1)  # (P,) first row of each run
     Lp = int(prompt_len.max())
