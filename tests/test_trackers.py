@@ -344,7 +344,8 @@ def test_records_fed_to_the_real_trackers_read_back(tmp_path, tracker_env):
 
     report = tmp_path / "report.html"
     report.write_text("<html>report</html>")
-    ts = TrackerSet.for_names(["tensorboard", "mlflow", "trackio"])
+    names = ["tensorboard", "mlflow", "trackio", "wandb"]
+    ts = TrackerSet.for_names(names)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = RunInfo.for_run(tmp_path, {"lr": 0.5, "stop": ("\n",), "store_url": None})
@@ -354,13 +355,13 @@ def test_records_fed_to_the_real_trackers_read_back(tmp_path, tracker_env):
         # a resumed session continues the same tracker runs
         again = RunInfo.for_run(tmp_path, {"lr": 0.5, "stop": ("\n",), "store_url": None}, resumed=True)
         assert again.id == info.id and again.resumed
-        ts = TrackerSet.for_names(["tensorboard", "mlflow", "trackio"])
+        ts = TrackerSet.for_names(names)
         ts.start(again)
         ts.add_samples([_sample(1, 0)])
         ts.on_record(_record(1))
         ts.end(report)
     assert not [str(w.message) for w in caught if "report_to" in str(w.message)]  # none of them failed
-    assert list(ts.active) == ["tensorboard", "mlflow", "trackio"]
+    assert list(ts.active) == names
     ea = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     ea.Reload()
     assert {e.step: e.value for e in ea.Scalars("loss")} == pytest.approx({0: 1.0, 1: 0.9})
@@ -373,3 +374,15 @@ def test_records_fed_to_the_real_trackers_read_back(tmp_path, tracker_env):
     assert table.path == "completions/0001-iteration-1.json"
     logs = SQLiteStorage.get_logs(trackers.PROJECT, run=f"{info.name}-{info.id}")
     assert {int(x["step"]): x["loss"] for x in logs if "loss" in x} == pytest.approx({0: 1.0, 1: 0.9})
+    # W&B offline: each session is its own offline-run directory under the same run id (suffixed "-1"
+    # when both start in the same second), which `wandb sync` uploads into that one run
+    sessions = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{info.id}*"))
+    assert len(sessions) == 2
+    losses = []
+    for d in sessions:
+        recs = wandb_records(Path(d) / f"run-{info.id}.wandb")
+        assert {r.run.run_id for r in recs if r.WhichOneof("record_type") == "run"} == {info.id}
+        losses.append({r.history.step.num: json.loads(i.value_json) for r in recs
+                       if r.WhichOneof("record_type") == "history" for i in r.history.item
+                       if (i.key or "/".join(i.nested_key)) == "loss"})
+    assert sorted(losses, key=min) == [pytest.approx({0: 1.0}), pytest.approx({1: 0.9})]
