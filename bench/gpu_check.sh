@@ -32,3 +32,11 @@ if __name__ == "__main__":
     print(json.dumps({**res.summary, "wall_s": time.time() - t0}))
 PY
 python3 /tmp/gpu_check_loop.py
+# TRL with vLLM beside the kit and TRL's default (issue 27): only where this machine has vLLM and TRL
+# (the machine lent so far had neither, and no network to install them); the tiny profile, whose
+# model travels in .tiny/ (SmolLM2's wheel is over the carry limit)
+if python3 -c "import vllm, trl" 2>/dev/null; then
+  python3 bench/vs_trl.py --repeats 1 --sides kit,trl,trl_vllm --no-progress --out /tmp/gpu-check-vs-trl
+else
+  echo "gpu_check: no vllm or trl on this machine: bench/vs_trl.py's TRL-vLLM side not run"
+fi

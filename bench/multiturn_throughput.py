@@ -193,13 +193,15 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
             "tool_gather_s": cfg.tool_gather_s, "version": version}
 
 
-def make_engine(name: str, path: str, store, max_model_len: int = 512):
-    """``"vllm"`` (a VLLMEngine, the kit's default ``lora_mode``) or ``"hf"`` on ``path``."""
+def make_engine(name: str, path: str, store, max_model_len: int = 512, block_size: int | None = None):
+    """``"vllm"`` (a VLLMEngine, the kit's default ``lora_mode``; ``block_size``: vLLM's KV-cache block
+    in tokens, None for vLLM's default) or ``"hf"`` on ``path``."""
     if name == "hf":
         return HFEngine(path, store=store, max_model_len=max_model_len)
     from grpo_kit.vllm_engine import VLLMEngine
 
-    return VLLMEngine(path, store=store, max_lora_rank=8, max_model_len=max_model_len)
+    return VLLMEngine(path, store=store, max_lora_rank=8, max_model_len=max_model_len,
+                      **({"block_size": block_size} if block_size else {}))
 
 
 def main(argv=None) -> None:
@@ -215,6 +217,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tool-gather-ms", type=float, default=None, help="the runner's tool_gather_s in ms (default: EpisodeConfig's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--version", type=int, default=1, help="1: a perturbed adapter; 0: the base model")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM's KV-cache block in tokens (default: the engine's; vLLM's CPU default is 128, and "
+                         "prefix caching reuses whole blocks only)")
     args = ap.parse_args(argv)
 
     path = models.resolve_model(args.model)
@@ -225,9 +230,9 @@ def main(argv=None) -> None:
                         max_episode_tokens=args.turns * (args.turn_tokens + 16),
                         **({"tool_workers": args.tool_workers} if args.tool_workers else {}),
                         **({"tool_gather_s": args.tool_gather_ms / 1000} if args.tool_gather_ms is not None else {}))
-    result = {"model": args.model}
+    result = {"model": args.model, "block_size": args.block_size}
     for name in args.engines:
-        engine = make_engine(name, path, store)
+        engine = make_engine(name, path, store, block_size=args.block_size)
         r = measure(engine, problems, group_size=args.group_size, tool_latency_s=args.tool_latency_ms / 1000,
                     version=args.version, repeats=args.repeats, episode_cfg=cfg)
         engine.close()
