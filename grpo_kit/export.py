@@ -13,7 +13,7 @@ Where things come from: ``RUN_DIR/config.json`` names the base model (:func:`grp
 and the store (``run.store_url``, else ``RUN_DIR/store``); the version is fetched through
 :class:`grpo_kit.adapters.AdapterStore`, every file checked against its manifest's sha256.
 
-The merge is the one the vLLM engine's merged LoRA mode does (:func:`grpo_kit.vllm_engine.adapter_deltas`):
+The merge is the one the vLLM engine's merged LoRA mode does (:func:`grpo_kit.lora_merge.adapter_deltas`):
 ``W + (alpha/r) B A`` per target module in float32 (float64 for ``dtype="float64"``), cast to the
 checkpoint's dtype (or ``dtype``),
 shard by shard, every other tensor and file (config, tokenizer, chat template, generation config)
@@ -149,7 +149,7 @@ def merged(run_dir: str | os.PathLike, out: str | os.PathLike, version: int | No
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .vllm_engine import adapter_deltas, ties_word_embeddings
+    from .lora_merge import adapter_deltas, ties_word_embeddings
 
     if dtype is not None and dtype not in MERGE_DTYPES:
         raise ValueError(f"dtype must be one of {MERGE_DTYPES} or None, got {dtype!r}")

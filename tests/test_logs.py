@@ -135,7 +135,7 @@ class _Records(logging.Handler):
 
 def test_merged_reload_is_quiet_and_a_layer_without_weights_raises(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
-    from grpo_kit import data, tiny, vllm_engine
+    from grpo_kit import data, lora_merge, tiny, vllm_engine
     from grpo_kit.adapters import AdapterStore
     from grpo_kit.testing import perturbed_adapter
 
@@ -144,8 +144,8 @@ def test_merged_reload_is_quiet_and_a_layer_without_weights_raises(tmp_path, mon
     store.publish(perturbed_adapter(path, seed=1), 1)
     store.publish(perturbed_adapter(path, seed=2, targets=("o_proj", "gate_proj", "up_proj", "down_proj")), 2)
     # the engine reads the base checkpoint once, on its first merged load; this test then breaks it
-    checkpoint = vllm_engine.base_weights(path)
-    monkeypatch.setattr(vllm_engine, "base_weights", lambda _: checkpoint)
+    checkpoint = lora_merge.base_weights(path)
+    monkeypatch.setattr(lora_merge, "base_weights", lambda _: checkpoint)
     problems = data.synthetic_problems(2, split="train", seed=0)
     engine = vllm_engine.VLLMEngine(path, store=store, max_batch_seqs=8, lora_mode="merged")
     seen = _Records()  # after the engine: configuring vLLM's logging empties its child loggers' handlers

@@ -23,7 +23,8 @@ from grpo_kit.vllm_engine import import_vllm
 
 pytest.importorskip("vllm")
 
-from test_rollout import (  # noqa: E402  (pytest puts tests/ on sys.path)
+from test_lora_merge import embedding_adapter, untied_copy  # noqa: E402  (pytest puts tests/ on sys.path)
+from test_rollout import (  # noqa: E402
     assert_aligned,
     assert_contract,
     config_eos_case,
@@ -139,11 +140,8 @@ def test_alignment_and_version_pickup(engine, store, tiny_path, problems):
     assert [r.to_dict() for r in again] == [r.to_dict() for r in out1]
 
 
-def test_lora_modes_and_merged_weights(tiny_path, store, tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from grpo_kit.vllm_engine import VLLMEngine, adapter_deltas, base_weights, resolve_lora_mode
+def test_lora_modes(tiny_path, store):
+    from grpo_kit.vllm_engine import VLLMEngine, resolve_lora_mode
 
     assert resolve_lora_mode("auto", on_cpu=True) == "merged"
     assert resolve_lora_mode("auto", on_cpu=False) == "request"
@@ -164,28 +162,6 @@ def test_lora_modes_and_merged_weights(tiny_path, store, tmp_path):
         VLLMEngine(tiny_path, store=store, lora_mode="fused")
     with pytest.raises(ValueError, match="in_process=True"):
         VLLMEngine(tiny_path, store=store, lora_mode="merged", in_process=False)
-    # base + delta is what PEFT's own merge gives, for every targeted weight and nothing else
-    deltas = adapter_deltas(store.fetch(1))
-    assert len(deltas) == 4 * 7 and "model.layers.0.self_attn.q_proj.weight" in deltas
-    base = base_weights(tiny_path)
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), store.fetch(1))
-    merged = peft.merge_and_unload().state_dict()
-    for name, w in base.items():
-        want = merged[name]
-        got = w + deltas[name] if name in deltas else w
-        assert torch.allclose(got, want, atol=1e-6, rtol=0), name
-        assert (name in deltas) == (not torch.equal(w, want))
-    conf = tmp_path / "dora"
-    conf.mkdir()
-    import json
-    import shutil
-
-    for f in os.listdir(store.fetch(1)):
-        shutil.copy(os.path.join(store.fetch(1), f), conf / f)
-    cfg = json.loads((conf / "adapter_config.json").read_text())
-    (conf / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    with pytest.raises(ValueError, match="use_dora"):
-        adapter_deltas(str(conf))
 
 
 def test_tempered_and_greedy_logprobs(engine, store, tiny_path, problems):
@@ -350,74 +326,6 @@ def test_config_json_eos_ends_completions(tiny_path, problems, tmp_path):
         engine.close()
     assert r.completion_ids == want and r.finish_reason == "stop" and not r.truncated
     assert r.text == tok.decode(want[:-1])
-
-
-def embedding_adapter(model_path: str, seed: int):
-    """A PEFT LoRA on ``embed_tokens`` and two projections with every A and B random (PEFT starts an
-    embedding's A, and a linear layer's B, at zero)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
-def untied_copy(tiny_path: str, dest) -> str:
-    """The tiny model with its own output layer (``tie_word_embeddings=False``; a random lm_head)."""
-    import shutil
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    conf = AutoConfig.from_pretrained(tiny_path)
-    conf.tie_word_embeddings = False
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_path, config=conf, dtype=torch.float32)
-    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
-    model.save_pretrained(str(dest))
-    for name in os.listdir(tiny_path):
-        if name.startswith("tokenizer") or name == "generation_config.json":
-            shutil.copy(os.path.join(tiny_path, name), os.path.join(dest, name))
-    return str(dest)
-
-
-def test_merged_embedding_lora_is_peft_merge(tiny_path, tmp_path):
-    """Merged mode with ``embed_tokens`` among the targets: base + delta is PEFT's own
-    ``merge_and_unload()`` for every weight (the embedding's LoRA was ignored, so the engine sampled
-    without it while the trainer applied it). On a model whose embedding is also its output layer,
-    merging cannot match the trainer's adapter: refused."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from grpo_kit.adapters import save_adapter
-    from grpo_kit.vllm_engine import adapter_deltas, base_weights, ties_word_embeddings
-
-    model_dir = untied_copy(tiny_path, tmp_path / "untied")
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    save_adapter(embedding_adapter(model_dir, seed=4), str(adapter))
-    deltas = adapter_deltas(str(adapter), tied_embeddings=ties_word_embeddings(model_dir))
-    assert "model.embed_tokens.weight" in deltas
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(adapter))
-    merged = peft.merge_and_unload().state_dict()
-    base = base_weights(model_dir)
-    assert set(base) == set(merged) and "lm_head.weight" in base
-    for name, w in base.items():
-        got = w + deltas[name] if name in deltas else w
-        assert torch.allclose(got, merged[name], atol=1e-6, rtol=0), name
-        assert (name in deltas) == (not torch.equal(w, merged[name])), name
-
-    assert ties_word_embeddings(tiny_path) and not ties_word_embeddings(model_dir)
-    tied = tmp_path / "tied-adapter"
-    tied.mkdir()
-    save_adapter(embedding_adapter(tiny_path, seed=5), str(tied))
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        adapter_deltas(str(tied), tied_embeddings=True)
 
 
 def test_merged_engine_samples_with_the_embedding_lora(tiny_path, tmp_path):
