@@ -15,6 +15,8 @@ Figures (means over the measured iterations):
        dispatch, publish, fetch, serialization                           (target <= 3%)
 - gang overhead = (driver-measured training step - rank compute - publish) / rank compute: the warm
   gang's per-step cost of dispatch, batch transfer, state check and stats return (target <= 10%)
+- trainer_idle_s, rollout_idle_s = pipelined medians of the trainer's idle time from one step's end
+  to the next one's start, and of the rollout worker's between batches (from the records' spans)
 - driver_payload_bytes = token payload through the driver per iteration: the pickled size of every
   list of numbers held in a record (token ids, log-probs in a rollout dict or a trainer sample) in
   what the driver gathers from workers, scatters to them, or puts in a task's arguments, summed over both modes' iterations and divided by their number.
@@ -94,7 +96,21 @@ def measure(client, mode: str, args, root: str) -> dict:
     wall = (recs[-1]["t_iter_start"] - recs[0]["t_iter_start"]) / (len(recs) - 1)
     return {"mode": mode, "iter_s": wall, "gen_s": gen, "train_compute_s": train, "train_step_s": step,
             "publish_s": _mean([r["publish_s"] + r["checkpoint_s"] for r in recs]),
-            "reward_mean": _mean([r["reward_mean"] for r in recs])}
+            "reward_mean": _mean([r["reward_mean"] for r in recs]), **idle_gaps(recs)}
+
+
+def idle_gaps(recs: list[dict]) -> dict:
+    """Medians over consecutive iterations of the time the trainer (rank 0) sat idle between one
+    step's end (its publish) and the next step's start, and the rollout worker between one batch's
+    last chunk and the next batch's first, from the records' spans: the fixed costs in the iteration
+    (dispatch round trips, the driver's own work) and, on the side that is not the bottleneck, waiting."""
+    def span(r, name, pick, key):
+        return pick(s[key] for s in r["spans"] if s["name"] == name)
+
+    trainer = [span(b, "train", min, "start") - span(a, "publish", max, "end") for a, b in zip(recs, recs[1:], strict=False)]
+    rollout = [span(b, "generate", min, "start") - span(a, "generate", max, "end") for a, b in zip(recs, recs[1:], strict=False)]
+    return {"trainer_idle_s": statistics.median(trainer) if trainer else float("nan"),
+            "rollout_idle_s": statistics.median(rollout) if rollout else float("nan")}
 
 
 def main() -> None:
@@ -146,6 +162,8 @@ def main() -> None:
     print(f"P3 overhead share of the iteration  = {p3:.1%}  (target <= 3%)")
     print(f"gang per-step overhead over compute = {gang:.1%}  (target <= 10%)")
     print(f"token payload through the driver    = {payload:,.0f} bytes per iteration")
+    print(f"pipelined, medians between iterations: trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms from one step's "
+          f"end to the next's start, rollout worker idle {pipe['rollout_idle_s'] * 1e3:.1f} ms between batches")
     print(json.dumps({
         "sequential_iter_s": round(seq["iter_s"], 4),
         "pipelined_iter_s": round(pipe["iter_s"], 4),
@@ -156,6 +174,8 @@ def main() -> None:
         "p3_overhead_share": round(p3, 4),
         "gang_overhead_share": round(gang, 4),
         "driver_payload_bytes": round(payload),
+        "trainer_idle_s": round(pipe["trainer_idle_s"], 4),
+        "rollout_idle_s": round(pipe["rollout_idle_s"], 4),
     }))
 
 

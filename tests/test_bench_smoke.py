@@ -279,3 +279,19 @@ def test_multiturn_throughput_measures_both_sides_on_one_engine():
     assert r["multiturn_prompt_tokens"] > r["single_prompt_tokens"] / r["single_calls"]  # later turns re-read the stream
     assert len(r["multiturn_vs_single_tokens_per_s_all"]) == 2 and r["multiturn_vs_single_tokens_per_s"] > 0
     engine.close()
+
+
+def test_pipelining_idle_gaps_come_from_the_spans():
+    """bench/pipelining.py's idle gaps: the trainer from one step's publish end to the next step's
+    start, the rollout worker from a batch's last chunk end to the next batch's first chunk start."""
+
+    def rec(t):  # two chunks of generation, then the trainer's step and publish
+        return {"spans": [{"name": "generate", "start": t, "end": t + 0.4}, {"name": "generate", "start": t + 0.1, "end": t + 0.5},
+                          {"name": "train", "start": t + 0.52, "end": t + 0.9}, {"name": "publish", "start": t + 0.9, "end": t + 0.95}]}
+
+    gaps = load_bench("pipelining").idle_gaps([rec(0.0), rec(1.0), rec(2.5)])
+    # trainer: 1.52 - 0.95 and 3.02 - 1.95; rollout: 1.0 - 0.5 and 2.5 - 1.5
+    assert gaps["trainer_idle_s"] == pytest.approx((0.57 + 1.07) / 2)
+    assert gaps["rollout_idle_s"] == pytest.approx((0.5 + 1.0) / 2)
+    assert load_bench("pipelining").idle_gaps([rec(0.0)]) == {"trainer_idle_s": pytest.approx(float("nan"), nan_ok=True),
+                                                              "rollout_idle_s": pytest.approx(float("nan"), nan_ok=True)}
