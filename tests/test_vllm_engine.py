@@ -62,6 +62,7 @@ def engine(request, tiny_path, store):
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == env
     assert torch.set_num_threads is set_threads
     assert torch.get_num_threads() == 1  # cpu_threads: vLLM's serving policy on CPU
+    assert eng.llm.llm_engine.vllm_config.cache_config.block_size == 32  # KV_BLOCK_TOKENS, not vLLM-CPU's 128
     yield eng
     eng.close()
     assert torch.get_num_threads() == threads
@@ -269,11 +270,15 @@ def test_cpu_kv_cache_bytes_from_the_model_shape(tiny_path):
     from grpo_kit.vllm_engine import KV_BLOCK_TOKENS, KV_HEADROOM, cpu_kv_cache_bytes
 
     per_token = 2 * 4 * 2 * 32 * 4  # K and V x 4 layers x 2 KV heads x head size 32 x float32
+    assert KV_BLOCK_TOKENS == 32
     one = cpu_kv_cache_bytes(tiny_path, dtype="float32", max_model_len=256, max_seqs=1)
-    assert one == -(-per_token * 3 * KV_BLOCK_TOKENS * KV_HEADROOM // 1)  # 2 blocks + a spare one
+    assert one == -(-per_token * 9 * 32 * KV_HEADROOM // 1)  # 8 blocks + a spare one
     assert cpu_kv_cache_bytes(tiny_path, dtype="bfloat16", max_model_len=256, max_seqs=1) * 2 == one
     many = cpu_kv_cache_bytes(tiny_path, dtype="float32", max_model_len=257, max_seqs=96)
-    assert many == -(-per_token * (96 * 3 + 1) * KV_BLOCK_TOKENS * KV_HEADROOM // 1)
+    assert many == -(-per_token * (96 * 9 + 1) * 32 * KV_HEADROOM // 1)
+    # vLLM-CPU's own block of 128 (block_size=128 given to the engine): whole blocks of 128
+    big = cpu_kv_cache_bytes(tiny_path, dtype="float32", max_model_len=257, max_seqs=96, block_tokens=128)
+    assert big == -(-per_token * (96 * 3 + 1) * 128 * KV_HEADROOM // 1)
 
 
 def test_an_engine_that_cannot_get_its_kv_cache_names_the_number(tiny_path):
