@@ -67,8 +67,6 @@ def embedding_adapter(model_path: str, seed: int):
 
 def untied_copy(tiny_path: str, dest) -> str:
     """The tiny model with its own output layer (``tie_word_embeddings=False``; a random lm_head)."""
-    import shutil
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     conf = AutoConfig.from_pretrained(tiny_path)
