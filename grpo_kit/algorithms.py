@@ -334,7 +334,7 @@ def gspo_clip_range(cfg: LossConfig) -> tuple[float, float]:
     return cfg.clip_eps, cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
 
 
-def stale_clip_warning(policy_loss: str, cfg: LossConfig, depth: int) -> str | None:
+def stale_clip_warning(cfg: LossConfig, depth: int) -> str | None:
     """Why a run's GSPO setting will clip most sequences, or None. GSPO's recommended sequence clip
     (:data:`GSPO_CLIP`) is made for a ratio that starts at 1; against pipelined batches (``depth`` > 0,
     sampled a version or more behind) with ``old_logp_source="engine"`` the sequence ratio already
@@ -343,7 +343,7 @@ def stale_clip_warning(policy_loss: str, cfg: LossConfig, depth: int) -> str | N
     55.5% held-out accuracy on tiny (the other objectives 100%), 50% clipped and 17.2% on SmolLM2 (the
     others 62.5-69.5%); on tiny with ``pipelined=False``, or pipelined with ``old_logp_source="trainer"``,
     GSPO reached 100% at version 12 as GRPO did, none clipped."""
-    if policy_loss != "gspo" or depth == 0 or cfg.old_logp_source != "engine" or gspo_clip_range(cfg) != GSPO_CLIP:
+    if cfg.policy_loss != "gspo" or depth == 0 or cfg.old_logp_source != "engine" or gspo_clip_range(cfg) != GSPO_CLIP:
         return None
     return (f"policy_loss='gspo' with its recommended sequence clip {GSPO_CLIP} against pipelined batches "
             f"(pipeline depth {depth}, old_logp_source='engine'): each batch is sampled a version behind, so the "

@@ -126,7 +126,7 @@ def run(
 
     cfg = cfg.override(**{k: algorithms.reference(fn) for k, fn in (("policy_loss", policy_loss),
                                                                     ("advantage", advantage)) if fn is not None})
-    message = algorithms.stale_clip_warning(cfg.loss.policy_loss, cfg.loss, cfg.run.depth)
+    message = algorithms.stale_clip_warning(cfg.loss, cfg.run.depth)
     if message:
         warnings.warn(message, UserWarning, stacklevel=2)
     run_dir = Path(cfg.run.run_dir)

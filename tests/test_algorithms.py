@@ -516,7 +516,7 @@ def test_new_losses_report_every_statistic_the_figures_read():
 def test_gspo_against_stale_batches_warns_with_its_recommended_clip_only():
     def warning(**kw):
         cfg = profile("tiny", policy_loss="gspo", **kw)
-        return algorithms.stale_clip_warning(cfg.loss.policy_loss, cfg.loss, cfg.run.depth)
+        return algorithms.stale_clip_warning(cfg.loss, cfg.run.depth)
 
     message = warning()  # the kit's default: pipelined, ratio against the engine's log-probs
     assert message and "old_logp_source='trainer'" in message and "pipelined=False" in message
@@ -524,5 +524,5 @@ def test_gspo_against_stale_batches_warns_with_its_recommended_clip_only():
     assert warning(old_logp_source="trainer") is None  # TRL's ratio: 1 at the one update
     assert warning(clip_eps=0.01, clip_eps_high=0.02) is None  # a clip the user chose
     assert warning(max_staleness=0) is None  # depth 0
-    cfg = profile("tiny")
-    assert algorithms.stale_clip_warning("grpo", cfg.loss, cfg.run.depth) is None
+    cfg = profile("tiny")  # the default loss
+    assert cfg.loss.policy_loss == "grpo" and algorithms.stale_clip_warning(cfg.loss, cfg.run.depth) is None
