@@ -17,6 +17,11 @@ Figures (means over the measured iterations):
   gang's per-step cost of dispatch, batch transfer, state check and stats return (target <= 10%)
 - trainer_idle_s, rollout_idle_s = pipelined medians of the trainer's idle time from one step's end
   to the next one's start, and of the rollout worker's between batches (from the records' spans)
+- the same pipelined figures with every training step submitted in its turn, after the driver has
+  read the batch's summaries (``train_ahead=False``; keys ending ``_in_turn``), against the default,
+  where each step is submitted with its batch's generation (``RunConfig.train_ahead``). With
+  ``--repeats R`` the two pipelined runs alternate R times (ahead first, then in turn first, ...) and
+  each figure is the median over repeats; the load average before and after is printed.
 - driver_payload_bytes = token payload through the driver per iteration: the pickled size of every
   list of numbers held in a record (token ids, log-probs in a rollout dict or a trainer sample) in
   what the driver gathers from workers, scatters to them, or puts in a task's arguments, summed over both modes' iterations and divided by their number.
@@ -74,7 +79,7 @@ def _numeric_list_bytes(x, in_record: bool = False) -> int:
     return 0
 
 
-def measure(client, mode: str, args, root: str) -> dict:
+def measure(client, mode: str, args, root: str, train_ahead: bool = True, tag: str = "") -> dict:
     cfg = config.profile(
         "tiny",
         engine=args.engine,
@@ -82,8 +87,9 @@ def measure(client, mode: str, args, root: str) -> dict:
         prompts_per_step=args.prompts_per_step,
         group_size=args.group_size,
         pipelined=mode == "pipelined",
+        train_ahead=train_ahead,
         eval_every=0,
-        run_dir=os.path.join(root, mode),
+        run_dir=os.path.join(root, f"{mode}{tag}"),
         seed=args.seed,
     )
     res = loop.run(cfg, client=client, progress=False)
@@ -97,6 +103,11 @@ def measure(client, mode: str, args, root: str) -> dict:
     return {"mode": mode, "iter_s": wall, "gen_s": gen, "train_compute_s": train, "train_step_s": step,
             "publish_s": _mean([r["publish_s"] + r["checkpoint_s"] for r in recs]),
             "reward_mean": _mean([r["reward_mean"] for r in recs]), **idle_gaps(recs)}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Per-figure medians over repeated runs of one mode."""
+    return {k: (statistics.median(r[k] for r in runs) if isinstance(v, float) else v) for k, v in runs[0].items()}
 
 
 def idle_gaps(recs: list[dict]) -> dict:
@@ -121,6 +132,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=6)
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="alternated pairs of pipelined runs (ahead / in turn)")
     args = ap.parse_args()
 
     client = cluster.connect(n_rollout_workers=1, n_trainer_workers=1, threads_per_worker=1, pin_cpus=True, quiet=True)
@@ -132,10 +144,14 @@ def main() -> None:
             print(f"  {roles.get(addr, '?'):8s} {addr}: cpus {cpus}")
         counter = PayloadCounter(client)
         with tempfile.TemporaryDirectory(prefix="grpo-bench-") as root:
-            t0 = time.time()
+            t0, load0 = time.time(), os.getloadavg()
             seq = measure(client, "sequential", args, root)
-            pipe = measure(client, "pipelined", args, root)
-            elapsed = time.time() - t0
+            runs = {True: [], False: []}
+            for rep in range(args.repeats):
+                for ahead in (True, False) if rep % 2 == 0 else (False, True):
+                    runs[ahead].append(measure(client, "pipelined", args, root, train_ahead=ahead, tag=f"-{ahead}-{rep}"))
+            pipe, in_turn = (_median_run(runs[a]) for a in (True, False))
+            elapsed, load1 = time.time() - t0, os.getloadavg()
         payload = counter.token_bytes() / (2 * (args.warmup + args.iterations))
     finally:
         cluster.shutdown(client)
@@ -164,6 +180,13 @@ def main() -> None:
     print(f"token payload through the driver    = {payload:,.0f} bytes per iteration")
     print(f"pipelined, medians between iterations: trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms from one step's "
           f"end to the next's start, rollout worker idle {pipe['rollout_idle_s'] * 1e3:.1f} ms between batches")
+    p1_turn = in_turn["iter_s"] / max(in_turn["gen_s"], in_turn["train_compute_s"])
+    p3_turn = max(0.0, in_turn["iter_s"] - max(in_turn["gen_s"], in_turn["train_compute_s"])) / in_turn["iter_s"]
+    print(f"steps submitted in their turn (train_ahead=False): iteration {in_turn['iter_s']:.3f} s, P1 {p1_turn:.3f}, "
+          f"P3 {p3_turn:.1%}, trainer idle {in_turn['trainer_idle_s'] * 1e3:.1f} ms; submitted ahead (default): "
+          f"iteration {pipe['iter_s']:.3f} s, P1 {p1:.3f}, P3 {p3:.1%}, trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms"
+          f" (medians over {args.repeats} alternated pair(s))")
+    print(f"load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
     print(json.dumps({
         "sequential_iter_s": round(seq["iter_s"], 4),
         "pipelined_iter_s": round(pipe["iter_s"], 4),
@@ -176,6 +199,12 @@ def main() -> None:
         "driver_payload_bytes": round(payload),
         "trainer_idle_s": round(pipe["trainer_idle_s"], 4),
         "rollout_idle_s": round(pipe["rollout_idle_s"], 4),
+        "pipelined_in_turn_iter_s": round(in_turn["iter_s"], 4),
+        "p1_efficiency_in_turn": round(p1_turn, 4),
+        "p3_overhead_share_in_turn": round(p3_turn, 4),
+        "trainer_idle_s_in_turn": round(in_turn["trainer_idle_s"], 4),
+        "repeats": args.repeats,
+        "load_average": [round(load0[0], 2), round(load1[0], 2)],
     }))
 
 

@@ -6,6 +6,12 @@ re-formed from the store's last version, up to ``max_restarts`` times. A step's 
 reference (:class:`RolloutBatch`: futures of the scored chunks on the rollout workers); each rank
 task fetches it and takes the advantages from its rewards (:func:`batch_samples`), then runs
 :func:`grpo_kit.trainer.train_rank`.
+
+A step is submitted (:meth:`TrainerGang.submit`) and then waited for (:meth:`TrainerGang.finish`).
+The driver may submit a step before the one before it ends (``after=``): each rank task then depends
+on the same rank's task of that step, so it starts on its worker as soon as that step and its own
+batch are done, with no round trip through the driver in between. A step submitted to a gang that
+was re-formed since (a failure of an earlier step) is submitted again when it is waited for.
 """
 
 from __future__ import annotations
@@ -65,6 +71,23 @@ def wait_first_error(futures, timeout: float, alive=None):
     return set(futures), None
 
 
+def results_of(futures, timeout: float, alive=None) -> tuple[list | None, BaseException | None]:
+    """:func:`wait_first_error`, then the futures' results: (results, None) or (None, error). A result
+    lost with its worker after its task finished (the next step, submitted ahead, was running on that
+    worker when it left) is never recomputed (the task is pinned there): that reads as the worker
+    leaving, as in :func:`wait_first_error`."""
+    deadline = time.time() + timeout
+    while True:
+        _, error = wait_first_error(futures, max(0.0, deadline - time.time()), alive)
+        if error is not None:
+            return None, error
+        try:
+            return [f.result(timeout=1.0) for f in futures], None
+        except TimeoutError:
+            if alive is not None and not alive():
+                return None, RuntimeError("a trainer worker of the gang left the cluster with a step's result")
+
+
 def present(client: Client, workers: list[str]) -> bool:
     """Whether every one of ``workers`` is still in the cluster (as a trainer): a task pinned to one
     that left (``allow_other_workers=False``) would wait for it forever."""
@@ -111,8 +134,10 @@ class RolloutBatch:
 
     scored: list
     """Futures of the scored chunks (``{"rollouts": [Rollout.to_dict() + reward fields], ...}``)."""
-    picks: list[tuple[int, int]]
-    """``(chunk index, rollout index)`` of each sample, whole groups of ``group_size`` in a row."""
+    picks: list[tuple[int, int]] | None
+    """``(chunk index, rollout index)`` of each sample, whole groups of ``group_size`` in a row. None:
+    every completion of every chunk, in group order (:func:`all_picks`: a batch trained as generated,
+    submitted before the driver has read its summaries)."""
     group_size: int
 
     def __len__(self) -> int:
@@ -129,6 +154,19 @@ def batch_of(groups: list[Group], group_size: int) -> RolloutBatch:
                 futures.append(fut)
             picks.append((index[fut.key], i))
     return RolloutBatch(futures, picks, group_size)
+
+
+def all_picks(chunks: list[dict]) -> list[tuple[int, int]]:
+    """Every completion of ``chunks`` (scored chunks or their summaries: ``{"rollouts": [...]}`` with
+    ``group_id`` and ``sample_idx``) as ``(chunk index, rollout index)``, in group then sample order:
+    what :func:`batch_of` gives for all the groups of a batch.
+
+    >>> all_picks([{"rollouts": [{"group_id": 1, "sample_idx": 0}, {"group_id": 0, "sample_idx": 1}]},
+    ...            {"rollouts": [{"group_id": 0, "sample_idx": 0}]}])
+    [(1, 0), (0, 1), (0, 0)]
+    """
+    keyed = [((r["group_id"], r["sample_idx"]), (c, i)) for c, ch in enumerate(chunks) for i, r in enumerate(ch["rollouts"])]
+    return [p for _, p in sorted(keyed)]
 
 
 def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: int, adv_scale: str,
@@ -159,14 +197,32 @@ def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: 
             for r, a in zip(rows, adv, strict=True)]
 
 
-def train_rank_on(spec: RankSpec, scored: list[dict], picks: list[tuple[int, int]], group_size: int, version: int,
-                  iteration: int) -> dict:
+def train_rank_on(spec: RankSpec, scored: list[dict], picks: list[tuple[int, int]] | None, group_size: int,
+                  version: int, iteration: int, after: dict | None = None) -> dict:
     """One rank's part of a training step on a :class:`RolloutBatch` (a Dask task: ``scored`` arrives
-    from the workers that hold it, never through the driver)."""
+    from the workers that hold it, never through the driver). ``after``: this rank's result of the
+    step before (a Dask dependency that orders the two on the worker; not read)."""
+    picks = all_picks(scored) if picks is None else picks
     estimator = spec.advantage_function()
     samples = batch_samples(scored, picks, group_size, spec.loss.adv_scale,
                             advantage=lambda r, g: algorithms.compute_advantages(estimator, r, g, spec.loss))
     return train_rank(spec, samples, version, iteration)
+
+
+@dataclass
+class StepHandle:
+    """A training step submitted to the gang (:meth:`TrainerGang.submit`)."""
+
+    batch: RolloutBatch
+    """What it trains on."""
+    version: int
+    """The adapter version it trains from (it publishes ``version + 1``)."""
+    iteration: int
+    """The driver's iteration."""
+    gang_id: int
+    """The gang it went to: a gang re-formed since then submits it again (:meth:`TrainerGang.finish`)."""
+    futures: list
+    """The rank tasks' futures, rank order."""
 
 
 class GangFailed(RuntimeError):
@@ -204,21 +260,38 @@ class TrainerGang:
         return present(self.client, self.workers)
 
     def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore, retries=None) -> dict:
-        """Train on ``batch`` from ``version``; returns rank 0's stats (identical on all ranks).
+        """Train on ``batch`` from ``version`` (:meth:`submit`, then :meth:`finish`)."""
+        return self.finish(self.submit(batch, version, iteration), store, retries)
+
+    def submit(self, batch: RolloutBatch, version: int, iteration: int, after: StepHandle | None = None) -> StepHandle:
+        """Submit the rank tasks of a step on ``batch`` from ``version``. ``after``: a step submitted to
+        this gang before, not yet finished, that publishes ``version``; each rank task waits for the
+        same rank's task of it (on the same worker), so this one can be queued before that one ends."""
+        prev = after.futures if after is not None and after.gang_id == self.gang_id else [None] * len(self.workers)
+        futures = [
+            self.client.submit(train_rank_on, spec, batch.scored, batch.picks, batch.group_size, version, iteration, p,
+                               workers=[w], allow_other_workers=False,
+                               key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")
+            for spec, w, p in zip(self.specs(), self.workers, prev, strict=True)
+        ]
+        return StepHandle(batch, version, iteration, self.gang_id, futures)
+
+    def finish(self, handle: StepHandle, store: AdapterStore, retries=None) -> dict:
+        """Wait for a submitted step; returns rank 0's stats (identical on all ranks).
         Every rank task fetches the batch's scored chunks from the workers that hold them. A chunk
         lost with its workers while they fetch it (Dask recomputes it; ``KilledWorker`` when its
         workers keep dying) is resubmitted by ``retries`` (:class:`grpo_kit.remote.TaskRetries`) and
-        the step runs again on a re-formed gang, not counted as a restart: no rank failed."""
+        the step runs again on a re-formed gang, not counted as a restart: no rank failed. A step
+        submitted to a gang that was re-formed since (after a failure of the step before) is
+        submitted again."""
+        batch, version, iteration = handle.batch, handle.version, handle.iteration
         while True:
-            futures = [
-                self.client.submit(train_rank_on, spec, batch.scored, batch.picks, batch.group_size, version, iteration,
-                                   workers=[w], allow_other_workers=False,
-                                   key=f"{self.base_spec.run_id}-train-{iteration}-g{self.gang_id}-r{spec.rank}")
-                for spec, w in zip(self.specs(), self.workers, strict=True)
-            ]
-            _, error = wait_first_error(futures, self.step_timeout_s, alive=self._alive)
+            if handle.gang_id != self.gang_id:  # queued behind a step that failed: that gang is gone
+                self.client.cancel(handle.futures)
+                handle = self.submit(batch, version, iteration)
+            futures = handle.futures
+            results, error = results_of(futures, self.step_timeout_s, alive=self._alive)
             if error is None:
-                results = [f.result() for f in futures]
                 sums = [r["param_checksum"] for r in results]
                 if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
                     raise RuntimeError(f"trainer ranks diverged at iteration {iteration}: parameter sums {sums}")
@@ -229,10 +302,9 @@ class TrainerGang:
                 self.reset()
                 continue
             if store.exists(version + 1):
-                # Rank 0 published before the failure surfaced: the step is done, the gang is not.
-                self.restarts += 1
-                log.warning("trainer gang failed after publishing v%d (%s); re-forming", version + 1, error)
-                self.reset()
+                # Rank 0 published before the failure surfaced (or the step's result was lost with a
+                # worker after it): the step is done, the gang is not; re-formed within max_restarts
+                self.recover(error, f"iteration {iteration}, after publishing v{version + 1}")
                 meta = store.manifest(version + 1).get("meta", {})
                 return {**meta.get("stats", {}), "recovered": True}
             self.recover(error, f"iteration {iteration}")

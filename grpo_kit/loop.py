@@ -41,7 +41,7 @@ from . import cluster as cl
 from .adapters import AdapterStore
 from .config import Config
 from .episode import EpisodePlan
-from .gang import TrainerGang, batch_of
+from .gang import RolloutBatch, StepHandle, TrainerGang, all_picks, batch_of
 from .metrics import Batch, Step, WrongPolicyWarning, iteration_record, run_summary, wrong_policy_warning
 from .models import resolve_model
 from .records import MetricsRecord, append_jsonl, run_files, samples_of, write_jsonl
@@ -156,7 +156,7 @@ def run(
     files = run_files(run_dir)
     metrics_path, samples_path = files.metrics, files.samples
     run_id = checkpoint.run_id_for(cfg, store.root, task)
-    gang = None
+    gang = driver = None
 
     try:
         state, records = checkpoint.restore(store, run_id, files, resume)
@@ -199,6 +199,8 @@ def run(
         return RunResult(run_dir, driver.records, summary)
     finally:
         tracking.end()  # a failed run's trackers are closed too (no report)
+        if driver is not None:
+            driver.cancel_steps()
         if gang is not None:
             gang.close()
         if own_client:
@@ -224,6 +226,10 @@ class _Driver:
         self.key = f"{state['run_id']}-{os.urandom(3).hex()}"
         s = cfg.sampling
         self.depth = cfg.run.depth
+        # training steps submitted with their batch's generation (RunConfig.train_ahead), by iteration
+        self.train_ahead = (cfg.run.train_ahead and self.depth > 0 and not s.dynamic_sampling
+                            and cfg.run.staleness_policy == "pace")
+        self.steps: dict[int, StepHandle] = {}
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.scorer = scorer
         self.episodes = episodes  # a multi-turn task's EpisodePlan (its chunks are scored on the rollout worker)
@@ -461,8 +467,10 @@ class _Driver:
         t_gen_done = time.time()
         ahead = range(it + 1, it + 1 + self.depth)  # pipelining: the next batches, submitted before we train
         if not cfg.sampling.dynamic_sampling:
+            self.submit_step(it, pend)
             for j in ahead:
                 self.submit_generation(j)
+                self.submit_step(j, self.pending.get(j))
         picked = dyn = None
         if cfg.sampling.dynamic_sampling:
             results, picked, dyn = self.fill_usable(it, results, pend.scored, pend.n)
@@ -488,6 +496,27 @@ class _Driver:
         return Batch(it, pend.version, results, rollouts, generated, picked, lags, rejected, dyn, t_iter, t_gen_done,
                      self.retries.take())
 
+    def submit_step(self, iteration: int, pend: _Pending | None) -> None:
+        """Train ahead (``RunConfig.train_ahead``): submit ``iteration``'s step on all of its batch, after
+        the step before it (queued or running) or, for the current iteration, now. Its version is the
+        one the step before publishes: every step of such a run trains (no dynamic sampling)."""
+        if not self.train_ahead or pend is None or iteration in self.steps:
+            return
+        after = self.steps.get(iteration - 1)
+        if after is None and iteration != self.state["next_iteration"]:
+            return  # the step before it has not been submitted: no place in the chain yet
+        version = after.version + 1 if after is not None else self.state["version"]
+        batch = RolloutBatch(pend.scored, None, self.cfg.sampling.group_size)
+        self.steps[iteration] = self.gang.submit(batch, version, iteration, after=after)
+
+    def cancel_steps(self) -> None:
+        """Cancel the training steps submitted ahead and not waited for (the driver stops). One that
+        already started runs to its end on its worker: its version may then be in the store past the
+        run state's, which a resumed run adopts (its batch is regenerated from the same seeds)."""
+        for h in self.steps.values():
+            self.client.cancel(h.futures)
+        self.steps.clear()
+
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
         the evaluation of that version is submitted when one is due."""
@@ -496,7 +525,16 @@ class _Driver:
         # by reference: the ranks fetch the tokens and take the advantages from the same rewards
         rollout_batch = batch_of(batch.picked, cfg.sampling.group_size)
         t_train = time.time()
-        stats = self.gang.step(rollout_batch, version, it, self.store, retries=self.retries) if rollout_batch else {}
+        handle = self.steps.pop(it, None)
+        if handle is not None:  # submitted ahead, on every completion of the batch: check that is the one picked
+            if (handle.version != version or [f.key for f in handle.batch.scored] != [f.key for f in rollout_batch.scored]
+                    or all_picks(batch.results) != rollout_batch.picks):
+                raise RuntimeError(f"iteration {it}: the step submitted ahead (from v{handle.version}) is not the "
+                                   f"batch the driver picked (from v{version})")
+            stats = self.gang.finish(handle, self.store, retries=self.retries)
+            t_train = min([t_train] + [r["start"] for r in stats.get("ranks", [])])  # it may have started earlier
+        else:
+            stats = self.gang.step(rollout_batch, version, it, self.store, retries=self.retries) if rollout_batch else {}
         t_train_end = time.time()
         self.retries.release_before(it - self.depth - cfg.run.max_staleness)  # carried groups may still train
         self.state["version"] = version + 1 if rollout_batch else version
@@ -575,6 +613,7 @@ class _Driver:
         for p in self.pending.values():
             self.client.cancel(p.futures + p.scored)
         self.pending.clear()
+        self.cancel_steps()
         final_version = self.state["version"]
         if cfg.run.eval_every and not any(e["version"] == final_version for e in self.state["evals"]):
             if not any(it == cfg.run.iterations - 1 for it, _ in self.evals):

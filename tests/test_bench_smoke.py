@@ -281,6 +281,11 @@ def test_multiturn_throughput_measures_both_sides_on_one_engine():
     engine.close()
 
 
+def test_pipelining_repeats_report_per_figure_medians():
+    runs = [{"mode": "pipelined", "iter_s": x, "trainer_idle_s": y} for x, y in ((1.0, 0.03), (3.0, 0.01), (2.0, 0.02))]
+    assert load_bench("pipelining")._median_run(runs) == {"mode": "pipelined", "iter_s": 2.0, "trainer_idle_s": 0.02}
+
+
 def test_pipelining_idle_gaps_come_from_the_spans():
     """bench/pipelining.py's idle gaps: the trainer from one step's publish end to the next step's
     start, the rollout worker from a batch's last chunk end to the next batch's first chunk start."""

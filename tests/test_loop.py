@@ -193,6 +193,49 @@ def test_other_eval_sets_resolve_and_are_refused_clearly():
     assert loop.eval_set_tasks(cfg.override(instruction="Say it."), task, {"words": other})["words"] is other
 
 
+def test_steps_submitted_ahead_train_what_steps_submitted_in_turn_train(tmp_path, client, monkeypatch):
+    """RunConfig.train_ahead: each step is submitted with its batch's generation, before the record of
+    the step before it is written (so the trainer starts it without a round trip through the driver),
+    and a run ends with the same records and weights as with every step submitted in its turn
+    (DDP over two ranks, uneven completion lengths)."""
+    import torch
+    from safetensors.torch import load_file
+
+    submitted, recorded = [], []
+    real = gang.TrainerGang.submit
+
+    def spy(self, batch, version, iteration, after=None):
+        submitted.append((iteration, time.time(), batch.picks is None))
+        return real(self, batch, version, iteration, after)
+
+    monkeypatch.setattr(gang.TrainerGang, "submit", spy)
+    out = {}
+    for ahead in (True, False):
+        submitted.clear()
+        recorded.clear()
+        cfg = _cfg(tmp_path, run_dir=str(tmp_path / f"ahead-{ahead}"), iterations=4, world_size=2, train_ahead=ahead)
+        res = loop.run(cfg, client=client, progress=False, callbacks=[lambda r: recorded.append((r["iteration"], time.time()))])
+        when = dict((it, t) for it, t, _ in submitted)
+        assert sorted(when) == [0, 1, 2, 3] and len(submitted) == 4  # each step once: no resubmission
+        # ahead: step j was on its way before iteration j - 1 was recorded; in turn: only after it
+        before = [when[j] < dict(recorded)[j - 1] for j in (1, 2, 3)]
+        assert before == [ahead] * 3
+        assert all(everything is ahead for _, _, everything in submitted)  # picks=None: the whole batch
+        out[ahead] = (res, AdapterStore(cfg.run.store_root))
+    same = ("iteration", "version", "rollout_version", "reward_mean", "completion_tokens", "loss", "grad_norm")
+    (ra, sa), (rb, sb) = out[True], out[False]
+    for a, b in zip(ra.records, rb.records, strict=True):
+        assert {k: a[k] for k in same} == pytest.approx({k: b[k] for k in same}, rel=1e-6, abs=1e-9)
+    assert _chain(sa) == _chain(sb) == [1, 2, 3, 4]
+    wa, wb = (load_file(f"{s.fetch(4)}/adapter_model.safetensors") for s in (sa, sb))
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-6, rtol=0), k
+    assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
+    # the trainer's start is the rank's: a step that began before the driver waited for it counts from there
+    spans = [next(s for s in r["spans"] if s["name"] == "train") for r in ra.records]
+    assert all(r["train_s"] >= s["end"] - s["start"] for r, s in zip(ra.records, spans, strict=True))
+
+
 def test_sequential_is_on_policy(tmp_path, client):
     cfg = _cfg(tmp_path, pipelined=False, world_size=1)
     res = loop.run(cfg, client=client, progress=False)
