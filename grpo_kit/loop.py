@@ -11,7 +11,9 @@ and a batch more than ``max_staleness`` versions behind when its turn comes is d
 
 Each iteration is four steps (``_Driver.loop``): *assemble* the batch (regenerating a too-stale one,
 submitting the next ones, dynamic sampling's top-up), *train* (one trainer-gang step: rank 0
-publishes adapter ``v+1`` and its optimizer state to the store), *record* (the metrics record,
+publishes adapter ``v+1`` and its optimizer state to the store; with ``RunConfig.train_ahead`` the
+step was submitted with its batch's generation, chained after the step before, and the driver
+waits for it here), *record* (the metrics record,
 :mod:`grpo_kit.metrics`) and *publish* (the record appended to ``<run_dir>/metrics.jsonl``, the run
 state written: :mod:`grpo_kit.checkpoint`, which also holds ``run(..., resume=True)``).
 
