@@ -11,8 +11,9 @@ of lengths drawn uniformly from 1..max_new_tokens (no sampling; a wider spread o
 
 Arms, each a :func:`grpo_kit.train_step.grpo_step` on its own policy and AdamW, the profile's loss
 and optimizer settings otherwise: ``padded`` (``packing=False``, the profile's ``micro_batch`` and
-``share_prompt``), ``packed`` (``packing=True``, the default ``micro_batch_tokens``, ``share_prompt``
-as the profile has it), ``packed`` at each ``--budgets`` value, and ``packed`` without
+``share_prompt``), ``packed`` (``packing=True``, the profile's ``micro_batch_tokens``: 2048 on tiny,
+1024 on smol, which packs by default; ``share_prompt`` as the profile has it), ``packed`` at each
+other ``--budgets`` value, and ``packed`` without
 ``share_prompt``. Every round runs each arm once, the order rotating from round to round (pairs
 alternated); reported are the medians of wall time and of this process's CPU time (one torch thread
 by default, as a trainer rank has with ``threads_per_worker=1``: CPU time is then the step's work
@@ -115,7 +116,7 @@ def bench_profile(name: str, rounds: int, budgets: list[int], synthetic: bool, n
 
     base = replace(cfg.optim, packing=False)
     arms = {"padded": base, "packed": replace(base, packing=True)}
-    for b in budgets:
+    for b in (b for b in budgets if b != base.micro_batch_tokens):
         arms[f"packed_{b}"] = replace(base, packing=True, micro_batch_tokens=b)
     if noshare:
         arms["packed_noshare"] = replace(base, packing=True, share_prompt=False)

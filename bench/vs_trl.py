@@ -80,6 +80,7 @@ Prints each setting that could not be matched exactly, the tables, and as its la
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import json
 import logging
@@ -186,6 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--live-eval", action="store_true",
                     help="the kit evaluates inside its loop, on its rollout worker and on its clock")
     ap.add_argument("--no-dynamic", action="store_true", help="leave out the kit run with dynamic sampling")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="config overrides after the profile and the options above (a Python literal, or a bare "
+                         "string), e.g. packing=False; both sides read their hyperparameters from that config")
     ap.add_argument("--max-gen-batches", type=int, default=prof.sampling.max_gen_batches,
                     help="the dynamic run's generation rounds per step at most")
     args = ap.parse_args(argv)
@@ -224,7 +228,23 @@ def kit_config(args: argparse.Namespace) -> config.Config:
         lora_mode=args.lora_mode,
         run_dir=str(Path(args.out) / "kit"),
         keep_versions=0,  # every checkpoint is evaluated from the store after the run: retention off
-    )
+    ).override(**overrides_of(getattr(args, "set", None) or []))
+
+
+def overrides_of(items: list[str]) -> dict:
+    """``--set FIELD=VALUE`` items as config overrides (a Python literal, else the bare string).
+
+    >>> overrides_of(["packing=False", "micro_batch_tokens=1024", "engine=hf"])
+    {'packing': False, 'micro_batch_tokens': 1024, 'engine': 'hf'}
+    """
+    out = {}
+    for item in items:
+        field, _, value = item.partition("=")
+        try:
+            out[field] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[field] = value
+    return out
 
 
 def dynamic_config(cfg: config.Config, max_gen_batches: int) -> config.Config:

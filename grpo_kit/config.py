@@ -634,7 +634,8 @@ def _profiles() -> dict[str, Config]:
         reward=RewardConfig(format_bonus=0.1, lenient_credit=0.5),
         sampling=SamplingConfig(group_size=8, prompts_per_step=4, max_new_tokens=64, stop=("\n\n",)),
         loss=LossConfig(kl_beta=0.0),
-        optim=OptimConfig(lr=2e-4, micro_batch=8),
+        # packed at 1024 tokens: 0.75 of the padded step on its own sampled batches (bench/packing.py)
+        optim=OptimConfig(lr=2e-4, micro_batch=8, packing=True, micro_batch_tokens=1024),
         lora=LoRAConfig(lora_r=16, lora_alpha=32),
         run=RunConfig(iterations=40, eval_every=10, run_dir="runs/smol"),
         profile="smol",
