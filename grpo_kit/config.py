@@ -422,12 +422,13 @@ class RunConfig:
     """Largest allowed lag (trainer version - rollout version) of a trained batch."""
     pipeline_depth: int | None = None
     """Batches generated ahead of the trainer (with ``pipelined``); None means ``max_staleness``."""
-    train_ahead: bool = True
+    train_ahead: bool = False
     """With a pipelined run (``pace``, no dynamic sampling): submit each batch's training step when its
     generation is submitted, depending on the step before it and on the batch's scored chunks, so
     the trainer starts it the moment both are done instead of after a round trip through the driver
-    (which reads the batch's summaries meanwhile, for the record). The store may then hold one
-    version past the run state when the driver stops; a resumed run adopts it (same seeds, same batch)."""
+    (which reads the batch's summaries meanwhile, for the record). Off by default: a driver that stops
+    while such a step runs leaves its version in the store past the run state, and a resumed run
+    adopts it with a record rebuilt from the trainer's statistics only (``recovered``: no rewards)."""
     staleness_policy: str = "pace"
     """``"pace"``: generation waits, so that no batch is ever more than ``max_staleness`` behind (the
     depth is capped at it). ``"discard"``: generation runs ``pipeline_depth`` batches ahead, each chunk
