@@ -22,12 +22,11 @@ was not reached), ``tiny_gspo_ratio_std``, ``tiny_gspo_clip_frac``, ``tiny_gspo_
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import tempfile
 
-from grpo_kit import algorithms, records, sweep
+from grpo_kit import algorithms, config, records, sweep
 
 ALGORITHMS = algorithms.PRESETS
 """Algorithm name -> config overrides (``grpo_kit.algorithms.PRESETS``)."""
@@ -132,12 +131,7 @@ def main() -> None:
     for name, value in (("iterations", args.iterations), ("eval_every", args.eval_every), ("engine", args.engine)):
         if value is not None:
             base[name] = value
-    for item in args.set:
-        field, _, value = item.partition("=")
-        try:
-            base[field] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            base[field] = value
+    base.update(config.parse_overrides(args.set))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-algorithms-") as tmp:
         root = args.out_dir or tmp

@@ -37,8 +37,6 @@ from grpo_kit import config, loop, tasks
 
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent))  # the other benches' modules
 
-from real_model import parse_overrides  # noqa: E402
-
 
 def play(model_path: str, cfg, n: int, *, temperature: float, samples: int = 1, seed: int = 0) -> dict:
     """The task's held-out episodes played in this process with the HF engine (the base model):
@@ -100,7 +98,7 @@ def tiny_part(args) -> dict:
     """The tiny tool model before and after GRPO (module docstring)."""
     from grpo_kit import models, tiny
 
-    cfg = config.profile("tiny-tools", run_dir=f"{args.run_dir}/tiny", **parse_overrides(args.overrides))
+    cfg = config.profile("tiny-tools", run_dir=f"{args.run_dir}/tiny", **config.parse_overrides(args.overrides))
     t0 = time.time()
     path = models.resolve_model(cfg.model.model, progress=False)
     info = tiny.tiny_info(path)
@@ -149,7 +147,7 @@ def smol_part(args) -> dict:
     over = {"task": "calculator", "n_digits": 2, "max_turns": 2, "max_turn_tokens": 64, "max_episode_tokens": 160,
             "max_model_len": 512, "system_prompt": None, "stop": (), "run_dir": f"{args.run_dir}/smol",
             "task_options": {"demos": SMOL_DEMOS}, "format_bonus": 0.0, "lenient_credit": 0.0, "eval_size": 64,
-            **parse_overrides(args.overrides)}
+            **config.parse_overrides(args.overrides)}
     cfg = config.profile("smol", **over)
     path = models.resolve_model(cfg.model.model, progress=False)
     greedy = play(path, cfg, args.smol_problems, temperature=0.0)

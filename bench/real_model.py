@@ -13,7 +13,6 @@ written to ``<run_dir>/summary.json`` beside the run's metrics.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import shutil
 import sys
@@ -21,17 +20,6 @@ import time
 from pathlib import Path
 
 from grpo_kit import config, loop, records
-
-
-def parse_overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        try:
-            out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
-    return out
 
 
 def main() -> None:
@@ -42,7 +30,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="profile overrides, name=value")
     args = ap.parse_args()
 
-    over = parse_overrides(args.overrides)
+    over = config.parse_overrides(args.overrides)
     if args.iterations is not None:
         over["iterations"] = args.iterations
     cfg = config.profile("smol", run_dir=args.run_dir, **over)

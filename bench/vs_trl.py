@@ -80,7 +80,6 @@ Prints each setting that could not be matched exactly, the tables, and as its la
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import json
 import logging
@@ -228,23 +227,7 @@ def kit_config(args: argparse.Namespace) -> config.Config:
         lora_mode=args.lora_mode,
         run_dir=str(Path(args.out) / "kit"),
         keep_versions=0,  # every checkpoint is evaluated from the store after the run: retention off
-    ).override(**overrides_of(getattr(args, "set", None) or []))
-
-
-def overrides_of(items: list[str]) -> dict:
-    """``--set FIELD=VALUE`` items as config overrides (a Python literal, else the bare string).
-
-    >>> overrides_of(["packing=False", "micro_batch_tokens=1024", "engine=hf"])
-    {'packing': False, 'micro_batch_tokens': 1024, 'engine': 'hf'}
-    """
-    out = {}
-    for item in items:
-        field, _, value = item.partition("=")
-        try:
-            out[field] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[field] = value
-    return out
+    ).override(**config.parse_overrides(getattr(args, "set", None) or []))
 
 
 def dynamic_config(cfg: config.Config, max_gen_batches: int) -> config.Config:

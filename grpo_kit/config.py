@@ -8,6 +8,7 @@ derived values are properties, never stored twice.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -663,6 +664,23 @@ def overrides_in(params: Mapping[str, Any], *, none_keeps: bool = False) -> dict
     """
     names = set(flat_field_names())
     return {k: v for k, v in dict(params).items() if k in names and not (none_keeps and v is None)}
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` strings (a command line's ``--set``) as overrides: each value a Python literal
+    where it parses as one, else the bare string.
+
+    >>> parse_overrides(["packing=False", "micro_batch_tokens=1024", "engine=hf"])
+    {'packing': False, 'micro_batch_tokens': 1024, 'engine': 'hf'}
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 def from_params(name: str, params: Mapping[str, Any], *, none_keeps: bool = False) -> Config:
