@@ -17,11 +17,12 @@ Figures (means over the measured iterations):
   gang's per-step cost of dispatch, batch transfer, state check and stats return (target <= 10%)
 - trainer_idle_s, rollout_idle_s = pipelined medians of the trainer's idle time from one step's end
   to the next one's start, and of the rollout worker's between batches (from the records' spans)
-- the same pipelined figures with each training step submitted with its batch's generation
-  (``RunConfig.train_ahead=True``; keys ending ``_ahead``), against the default, where each step is
-  submitted in its turn, after the driver has read the batch's summaries. With ``--repeats R`` the
-  two pipelined runs alternate R times (ahead first, then in turn first, ...) and each figure is the
-  median over repeats; the load average before and after is printed.
+- the pipelined figures above are the default's, where each training step is submitted with its
+  batch's generation (``RunConfig.train_ahead=True``); the same figures with each step submitted in
+  its turn, after the driver has read the batch's summaries (``train_ahead=False``), end in
+  ``_in_turn``. With ``--repeats R`` the two pipelined runs alternate R times (ahead first, then in
+  turn first, ...) and each figure is the median over repeats; the load average before and after
+  is printed.
 - driver_payload_bytes = token payload through the driver per iteration: the pickled size of every
   list of numbers held in a record (token ids, log-probs in a rollout dict or a trainer sample) in
   what the driver gathers from workers, scatters to them, or puts in a task's arguments, summed over both modes' iterations and divided by their number.
@@ -150,7 +151,7 @@ def main() -> None:
             for rep in range(args.repeats):
                 for ahead in (True, False) if rep % 2 == 0 else (False, True):
                     runs[ahead].append(measure(client, "pipelined", args, root, train_ahead=ahead, tag=f"-{ahead}-{rep}"))
-            pipe, ahead = (_median_run(runs[a]) for a in (False, True))  # the default: in turn
+            pipe, turn = (_median_run(runs[a]) for a in (True, False))  # the default: ahead
             elapsed, load1 = time.time() - t0, os.getloadavg()
         payload = counter.token_bytes() / (2 * (args.warmup + args.iterations))
     finally:
@@ -180,12 +181,12 @@ def main() -> None:
     print(f"token payload through the driver    = {payload:,.0f} bytes per iteration")
     print(f"pipelined, medians between iterations: trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms from one step's "
           f"end to the next's start, rollout worker idle {pipe['rollout_idle_s'] * 1e3:.1f} ms between batches")
-    p1_ahead = ahead["iter_s"] / max(ahead["gen_s"], ahead["train_compute_s"])
-    p3_ahead = max(0.0, ahead["iter_s"] - max(ahead["gen_s"], ahead["train_compute_s"])) / ahead["iter_s"]
-    print(f"steps submitted ahead (train_ahead=True): iteration {ahead['iter_s']:.3f} s, P1 {p1_ahead:.3f}, "
-          f"P3 {p3_ahead:.1%}, trainer idle {ahead['trainer_idle_s'] * 1e3:.1f} ms; in their turn (default): "
-          f"iteration {pipe['iter_s']:.3f} s, P1 {p1:.3f}, P3 {p3:.1%}, trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms"
-          f" (medians over {args.repeats} alternated pair(s))")
+    p1_turn = turn["iter_s"] / max(turn["gen_s"], turn["train_compute_s"])
+    p3_turn = max(0.0, turn["iter_s"] - max(turn["gen_s"], turn["train_compute_s"])) / turn["iter_s"]
+    print(f"steps submitted ahead (train_ahead=True, default): iteration {pipe['iter_s']:.3f} s, P1 {p1:.3f}, "
+          f"P3 {p3:.1%}, trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms; in their turn (train_ahead=False): "
+          f"iteration {turn['iter_s']:.3f} s, P1 {p1_turn:.3f}, P3 {p3_turn:.1%}, trainer idle "
+          f"{turn['trainer_idle_s'] * 1e3:.1f} ms (medians over {args.repeats} alternated pair(s))")
     print(f"load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
     print(json.dumps({
         "sequential_iter_s": round(seq["iter_s"], 4),
@@ -199,10 +200,10 @@ def main() -> None:
         "driver_payload_bytes": round(payload),
         "trainer_idle_s": round(pipe["trainer_idle_s"], 4),
         "rollout_idle_s": round(pipe["rollout_idle_s"], 4),
-        "pipelined_ahead_iter_s": round(ahead["iter_s"], 4),
-        "p1_efficiency_ahead": round(p1_ahead, 4),
-        "p3_overhead_share_ahead": round(p3_ahead, 4),
-        "trainer_idle_s_ahead": round(ahead["trainer_idle_s"], 4),
+        "pipelined_in_turn_iter_s": round(turn["iter_s"], 4),
+        "p1_efficiency_in_turn": round(p1_turn, 4),
+        "p3_overhead_share_in_turn": round(p3_turn, 4),
+        "trainer_idle_s_in_turn": round(turn["trainer_idle_s"], 4),
         "repeats": args.repeats,
         "load_average": [round(load0[0], 2), round(load1[0], 2)],
     }))

@@ -423,13 +423,13 @@ class RunConfig:
     """Largest allowed lag (trainer version - rollout version) of a trained batch."""
     pipeline_depth: int | None = None
     """Batches generated ahead of the trainer (with ``pipelined``); None means ``max_staleness``."""
-    train_ahead: bool = False
+    train_ahead: bool = True
     """With a pipelined run (``pace``, no dynamic sampling): submit each batch's training step when its
     generation is submitted, depending on the step before it and on the batch's scored chunks, so
     the trainer starts it the moment both are done instead of after a round trip through the driver
-    (which reads the batch's summaries meanwhile, for the record). Off by default: a driver that stops
-    while such a step runs leaves its version in the store past the run state, and a resumed run
-    adopts it with a record rebuilt from the trainer's statistics only (``recovered``: no rewards)."""
+    (which reads the batch's summaries meanwhile, for the record). A driver that stops (an error, an
+    interrupt) cancels the steps not started and takes back the version a running one publishes, so
+    the store ends at the committed version. False: each step is submitted when the driver trains."""
     staleness_policy: str = "pace"
     """``"pace"``: generation waits, so that no batch is ever more than ``max_staleness`` behind (the
     depth is capped at it). ``"discard"``: generation runs ``pipeline_depth`` batches ahead, each chunk

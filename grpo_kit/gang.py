@@ -31,6 +31,7 @@ from . import algorithms
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
 from .loss import group_advantages
+from .retention import delete_version
 from .sampling import Group
 from .trainer import RankSpec, teardown, train_rank
 
@@ -110,6 +111,14 @@ def run_bounded(client: Client, fn, workers: list[str], timeout: float) -> dict:
         return {w: TimeoutError(f"{fn.__name__} timed out") for w in workers}
     finally:
         pool.shutdown(wait=False)
+
+
+def task_states(client: Client, futures) -> list[str]:
+    """The scheduler's state of each future's task (``"waiting"``, ``"processing"``: sent to a worker,
+    ``"memory"``: done, ...; ``"released"`` if it has forgotten it)."""
+    keys = [f.key for f in futures]
+    return client.run_on_scheduler(
+        lambda dask_scheduler: [getattr(dask_scheduler.tasks.get(k), "state", "released") for k in keys])
 
 
 def local_ranks(workers: list[str]) -> list[int]:
@@ -308,6 +317,35 @@ class TrainerGang:
                 meta = store.manifest(version + 1).get("meta", {})
                 return {**meta.get("stats", {}), "recovered": True}
             self.recover(error, f"iteration {iteration}")
+
+    def withdraw(self, handles: list[StepHandle], store: AdapterStore, timeout: float | None = None) -> list[int]:
+        """Take back steps submitted ahead that the driver will not wait for (it stops), so that the
+        store ends at the version the driver committed and a resumed run trains those iterations again
+        with full records. In submission order: a step a worker has started (or finished) is waited for
+        (a running task cannot be stopped) and the version it published is deleted, adapter and
+        optimizer state; the first step not started is cancelled, and with it every later one (each
+        depends on the one before). A step that fails, or one that starts in the few milliseconds
+        between the scheduler's answer and the cancel, may leave its version behind: a resumed run
+        adopts it, as after a driver that died between a publish and the run state
+        (:func:`grpo_kit.checkpoint.reconcile`). Returns the versions deleted."""
+        handles = sorted(handles, key=lambda h: h.iteration)
+        published = []
+        for i, h in enumerate(handles):
+            started = h.gang_id == self.gang_id and any(
+                st in ("processing", "memory") for st in task_states(self.client, h.futures))
+            if not started:
+                for rest in handles[i:]:
+                    self.client.cancel(rest.futures)
+                break
+            log.warning("the driver stopped while the step of iteration %d runs: waiting for it to take back v%d",
+                        h.iteration, h.version + 1)
+            _, error = results_of(h.futures, self.step_timeout_s if timeout is None else timeout, alive=self._alive)
+            if error is not None:
+                for rest in handles[i:]:
+                    self.client.cancel(rest.futures)
+                break
+            published.append(h.version + 1)
+        return [v for v in sorted(published, reverse=True) if delete_version(store, v)]  # newest first
 
     def recover(self, error: BaseException, where: str) -> None:
         """After a failure of the gang's rank tasks (a training step, or the pre-flight sweep:

@@ -201,8 +201,16 @@ def run(
         return RunResult(run_dir, driver.records, summary)
     finally:
         tracking.end()  # a failed run's trackers are closed too (no report)
-        if driver is not None:
-            driver.cancel_steps()
+        if driver is not None and driver.steps:
+            try:  # the run failed or was interrupted: the store must end at the committed version
+                taken = driver.withdraw_steps()
+                if taken and progress:
+                    print(f"took back v{', v'.join(map(str, taken))}: published by training steps submitted ahead "
+                          "and never committed (a resumed run trains them again)", flush=True)
+            except Exception as e:  # never mask the run's own error
+                warnings.warn(f"could not take back the training steps submitted ahead: {e!r}; a resumed run "
+                              "adopts any version they published (a record rebuilt from the trainer's statistics)",
+                              stacklevel=2)
         if gang is not None:
             gang.close()
         if own_client:
@@ -511,13 +519,14 @@ class _Driver:
         batch = RolloutBatch(pend.scored, None, self.cfg.sampling.group_size)
         self.steps[iteration] = self.gang.submit(batch, version, iteration, after=after)
 
-    def cancel_steps(self) -> None:
-        """Cancel the training steps submitted ahead and not waited for (the driver stops). One that
-        already started runs to its end on its worker: its version may then be in the store past the
-        run state's, which a resumed run adopts (its batch is regenerated from the same seeds)."""
-        for h in self.steps.values():
-            self.client.cancel(h.futures)
+    def withdraw_steps(self) -> list[int]:
+        """Take back the training steps submitted ahead and not waited for (the driver stops): those not
+        started are cancelled, one already running is waited for and the version it published deleted
+        (:meth:`TrainerGang.withdraw`), so that a resumed run trains that iteration again from the
+        same seeds with a full record. Returns the versions deleted."""
+        handles = list(self.steps.values())
         self.steps.clear()
+        return self.gang.withdraw(handles, self.store) if handles else []
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
@@ -615,7 +624,7 @@ class _Driver:
         for p in self.pending.values():
             self.client.cancel(p.futures + p.scored)
         self.pending.clear()
-        self.cancel_steps()
+        self.withdraw_steps()  # none in a run that trained every iteration
         final_version = self.state["version"]
         if cfg.run.eval_every and not any(e["version"] == final_version for e in self.state["evals"]):
             if not any(it == cfg.run.iterations - 1 for it, _ in self.evals):

@@ -40,6 +40,20 @@ def kept(version: int, latest: int, keep_versions: int, keep_every: int) -> bool
     return version > latest - keep_versions or (keep_every > 0 and version % keep_every == 0)
 
 
+def delete_version(store: AdapterStore, version: int) -> bool:
+    """Delete ``version`` from ``store``: the adapter (manifest first, :meth:`AdapterStore.delete`),
+    then the optimizer state its manifest names. Returns False if it was not there."""
+    try:
+        meta = store.manifest(version).get("meta", {})
+    except VersionNotFoundError:
+        return False
+    store.delete(version)
+    state = meta.get(OPTIMIZER_STATE_KEY)
+    if state:
+        store.delete_state(state)
+    return True
+
+
 class Pruner:
     """Deletes the versions that fall out of the policy as the run commits new ones.
 
@@ -62,15 +76,8 @@ class Pruner:
             self.deferred.add(version)
             return
         self.deferred.discard(version)
-        try:
-            meta = self.store.manifest(version).get("meta", {})
-        except VersionNotFoundError:
-            return
-        self.store.delete(version)
-        state = meta.get(OPTIMIZER_STATE_KEY)
-        if state:
-            self.store.delete_state(state)
-        self.deleted.append(version)
+        if delete_version(self.store, version):
+            self.deleted.append(version)
 
     def after_commit(self, latest: int, protect: Iterable[int] = ()) -> None:
         if self.keep_versions <= 0:

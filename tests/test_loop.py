@@ -236,6 +236,55 @@ def test_steps_submitted_ahead_train_what_steps_submitted_in_turn_train(tmp_path
     assert all(r["train_s"] >= s["end"] - s["start"] for r, s in zip(ra.records, spans, strict=True))
 
 
+def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_path, client):
+    """TrainerGang.withdraw, on stand-in steps that publish a version as a rank task does: the one a
+    worker runs is waited for and its version deleted (adapter and optimizer state); the one still
+    waiting on its batch is cancelled, and with it the one chained after it: neither ever publishes."""
+    from distributed import Event
+
+    from grpo_kit.trainer import RankSpec
+
+    cfg = _cfg(tmp_path, world_size=1)
+    root = str(tmp_path / "store")
+    store = AdapterStore(root)
+    g = gang.TrainerGang(client, RankSpec.for_run(cfg, "withdraw", "unused", root, None))
+    gate = Event(f"batch-ready-{os.urandom(3).hex()}", client=client)
+    src = str(tmp_path)
+
+    def publish(version, *after, wait=0.0):
+        time.sleep(wait)
+        d = Path(src) / f"v{version}"
+        d.mkdir()
+        (d / "adapter_config.json").write_text("{}")
+        (d / "adapter_model.safetensors").write_bytes(b"x" * 64)
+        st = AdapterStore(root)
+        st.save_state(f"optimizer/v{version:06d}-a", {"step": version})
+        st.publish_dir(str(d), version, meta={"optimizer_state": f"optimizer/v{version:06d}-a"}, parent=version - 1)
+        return {"param_checksum": 0.0}
+
+    rollout, trainer_w = cl.workers_with(client, cl.ROLLOUT)[0], g.workers[0]
+    batch = client.submit(lambda name: Event(name).wait(60), gate.name, workers=[rollout], pure=False)
+    try:
+        f1 = client.submit(publish, 1, wait=1.0, workers=[trainer_w], pure=False)
+        f2 = client.submit(publish, 2, f1, batch, workers=[trainer_w], pure=False)
+        f3 = client.submit(publish, 3, f2, workers=[trainer_w], pure=False)
+        handles = [gang.StepHandle(None, v - 1, v, g.gang_id, [f]) for v, f in ((3, f3), (1, f1), (2, f2))]
+        deadline = time.time() + 30
+        while gang.task_states(client, [f1]) != ["processing"]:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        assert not store.exists(1)  # still running when the driver stops
+        assert g.withdraw(handles, store) == [1]
+        assert store.versions() == []
+        assert not list(Path(root, "state", "optimizer").glob("v000001*"))
+        gate.set()  # the batch the cancelled step waited for arrives: nothing runs any more
+        time.sleep(1.0)
+        assert store.versions() == [] and f2.cancelled() and f3.cancelled()
+    finally:
+        gate.set()
+        client.cancel([batch])
+
+
 def test_sequential_is_on_policy(tmp_path, client):
     cfg = _cfg(tmp_path, pipelined=False, world_size=1)
     res = loop.run(cfg, client=client, progress=False)
@@ -348,6 +397,46 @@ def test_resume_after_driver_death(tmp_path, client):
     assert [r["iteration"] for r in seen] == [2, 3, 4]  # no finished iteration repeated
     assert [r["iteration"] for r in res.records] == [0, 1, 2, 3, 4]
     assert _chain(store) == [1, 2, 3, 4, 5]
+
+
+def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_path, client, monkeypatch):
+    """With train_ahead (the default), the step of iteration 2 is submitted before iteration 1 is
+    committed. A driver that stops after committing iteration 1, once that step has published v3,
+    waits for it and deletes v3 and its optimizer state: the store ends at the committed v2, and the
+    resumed run trains iteration 2 again with a full record (none rebuilt as ``recovered``)."""
+    cfg = _cfg(tmp_path, iterations=4, world_size=1)
+    assert cfg.run.train_ahead
+    store = AdapterStore(cfg.run.store_root)
+    taken = []
+    real = gang.TrainerGang.withdraw
+
+    def spy(self, handles, st, timeout=None):
+        taken.append([h.iteration for h in handles])
+        out = real(self, handles, st, timeout)
+        taken.append(out)
+        return out
+
+    monkeypatch.setattr(gang.TrainerGang, "withdraw", spy)
+
+    def stop_once_v3_is_out(rec):
+        if rec["iteration"] == 1:
+            deadline = time.time() + 120
+            while not store.exists(3):  # the step submitted ahead runs on without the driver
+                assert time.time() < deadline, "the step of iteration 2 never published v3"
+                time.sleep(0.05)
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        loop.run(cfg, client=client, callbacks=[stop_once_v3_is_out], progress=False)
+    assert taken == [[2], [3]]  # the step submitted ahead, waited for, its version deleted
+    assert store.read_json("run")["version"] == 2 and store.versions() == [1, 2]
+    states = sorted(p.name for p in Path(cfg.run.store_root, "state", "optimizer").glob("*.pt"))
+    assert states and not [n for n in states if n.startswith("v000003") or n.startswith("v000004")], states
+    res = loop.run(cfg, client=client, resume=True, progress=False)
+    assert [r["iteration"] for r in res.records] == [0, 1, 2, 3]
+    assert not [r for r in res.records if r.get("recovered")]
+    assert all(r["reward_mean"] is not None and r["rollout_version"] is not None for r in res.records)
+    assert _chain(store) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("dynamic,multi_turn", [(False, False), (True, False), (True, True)],
