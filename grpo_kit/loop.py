@@ -308,20 +308,36 @@ class _Driver:
         offset = round_ * s.prompts_per_step * s.max_gen_batches  # distinct group ids (and seeds) per round
         futures, scored = [], []
         for c in range(0, len(probs), per):
-            chunk = [remote.problem_dict(p) for p in probs[c : c + per]]
-            tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "")
-            gen = self.client.submit(
-                remote.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, iteration), offset + c, iteration, newest=self.newest, **self.episode_kw,
-                key=f"{self.key}-rollout-{tag}-v{version}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
-            )
-            scored.append(self.client.submit(remote.reward_task, gen, chunk, offset + c, self.scorer,
-                                             key=f"{self.key}-reward-{tag}-v{version}", resources=self.reward_resources,
-                                             retries=2, priority=priority))
-            futures.append(self.client.submit(remote.summary_task, scored[-1], key=f"{self.key}-summary-{tag}-v{version}",
-                                              retries=2, priority=priority))
-            self.retries.hold(iteration, [gen])  # so that a KilledWorker in the chain can be resubmitted
+            tag = f"{iteration}-{c}" + (f"-r{round_}" if round_ else "") + f"-v{version}"
+            summary, sc = self.submit_chunk(probs[c : c + per], iteration, version, offset + c, tag, priority)
+            futures.append(summary)
+            scored.append(sc)
         return futures, scored
+
+    def submit_chunk(self, probs, iteration: int, version: int, group_offset: int, tag: str,
+                     priority: int = 0, newest: bool | None = None) -> tuple:
+        """One chunk's tasks: its generation on a rollout worker, its scoring (on a reward worker where
+        there are any; else in the generation task itself, one scheduler round trip fewer) and its
+        summary. ``newest``: sample the newest version when it starts (default: :attr:`newest`).
+        Returns the futures of the summary and of the scored chunk."""
+        s = self.cfg.sampling
+        chunk = [remote.problem_dict(p) for p in probs]
+        gen = self.client.submit(
+            remote.rollout_task, chunk, s.group_size, version, s.max_new_tokens, s.temperature,
+            _seed(self.cfg.run.seed, iteration), group_offset, iteration,
+            newest=self.newest if newest is None else newest,
+            **(self.episode_kw or ({"scorer": self.scorer} if self.reward_resources is None else {})),
+            key=f"{self.key}-rollout-{tag}", resources={cl.ROLLOUT: 1}, retries=2, priority=priority,
+        )
+        scored = gen
+        if self.reward_resources is not None and self.episodes is None:  # episodes are scored where they live
+            scored = self.client.submit(remote.reward_task, gen, chunk, group_offset, self.scorer,
+                                        key=f"{self.key}-reward-{tag}", resources=self.reward_resources,
+                                        retries=2, priority=priority)
+        summary = self.client.submit(remote.summary_task, scored, key=f"{self.key}-summary-{tag}", retries=2,
+                                     priority=priority)
+        self.retries.hold(iteration, [gen])  # so that a KilledWorker in the chain can be resubmitted
+        return summary, scored
 
     def fill_usable(self, it: int, results: list[dict], scored: list, n0: int | None = None
                     ) -> tuple[list[dict], list[Group], dict]:
@@ -380,18 +396,9 @@ class _Driver:
                 continue
             offset = e["round"] * s.prompts_per_step * s.max_gen_batches
             probs = self.problems_for(e["iteration"], e["round"], e["n"])[e["start"] : e["stop"]]
-            chunk = [remote.problem_dict(p) for p in probs]
             tag = f"carry-{e['iteration']}-r{e['round']}-{e['start']}-v{e['version']}"
-            gen = self.client.submit(
-                remote.rollout_task, chunk, s.group_size, e["version"], s.max_new_tokens, s.temperature,
-                _seed(self.cfg.run.seed, e["iteration"]), offset + e["start"], e["iteration"], **self.episode_kw,
-                key=f"{self.key}-rollout-{tag}", resources={cl.ROLLOUT: 1}, retries=2,
-            )
-            scored = self.client.submit(remote.reward_task, gen, chunk, offset + e["start"], self.scorer,
-                                        key=f"{self.key}-reward-{tag}", resources=self.reward_resources, retries=2)
-            chunks[k] = (self.client.submit(remote.summary_task, scored, key=f"{self.key}-summary-{tag}", retries=2),
-                         scored)
-            self.retries.hold(e["iteration"], [gen])  # so that a KilledWorker in the chain can be resubmitted
+            # the version it was first sampled from, never a newer one
+            chunks[k] = self.submit_chunk(probs, e["iteration"], e["version"], offset + e["start"], tag, newest=False)
         summaries = dict(zip(chunks, self.retries.gather([f for f, _ in chunks.values()]), strict=True))
         by = {(k, g.payload[0][0].group_id): g for k, (_, scored) in chunks.items()
               for g in groups_of([summaries[k]], [scored], s.group_size)}

@@ -144,8 +144,10 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
 
     With ``episodes`` (a multi-turn task) each completion is an episode played with the task's tools
     and environment (:mod:`grpo_kit.episode`; one adapter version for the whole episode), scored here
-    by ``scorer`` while the environments are alive (:func:`score_episodes`); :func:`reward_task` then
-    passes the chunk through."""
+    by ``scorer`` while the environments are alive (:func:`score_episodes`). A single-turn chunk is
+    scored here too when ``scorer`` is given (:func:`score_chunk`: a run without reward workers, which
+    saves a task and its scheduler round trip between generation and the driver); either way
+    :func:`reward_task` passes such a chunk through."""
     t0 = time.time()
     probs = [Problem(**p) for p in problems]
     engine = _engine()
@@ -168,7 +170,8 @@ def rollout_task(problems: list[dict], n: int, version: int, max_new_tokens: int
                            seed=seed, group_offset=group_offset)
     for r in outs:
         r.iteration = iteration
-    return {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
+    result = {"rollouts": [r.to_dict() for r in outs], "start": t0, "end": time.time(), "worker": get_worker().address}
+    return score_chunk(result, probs, group_offset, scorer) if scorer is not None else result
 
 
 def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: list[dict], *,
@@ -278,20 +281,26 @@ def wait_until_warm(client: Client, timeout: float = 900) -> list[str]:
 
 def reward_task(result: dict, problems: list[dict], group_offset: int, scorer: Scorer) -> dict:
     """Score rollouts as soon as they complete, with the task's reward functions (``scorer``; they
-    get each rollout's sampled ``completion_ids`` as TRL passes them). A reward function that fails
-    scores 0 with its reason (``reward_errors`` counts it)."""
-    if result.get("scored"):  # a multi-turn chunk, scored where its environments lived (rollout_task)
+    get each rollout's sampled ``completion_ids`` as TRL passes them), on a reward worker. A reward
+    function that fails scores 0 with its reason (``reward_errors`` counts it)."""
+    if result.get("scored"):  # scored where it was generated (rollout_task)
         return result
+    return score_chunk(result, [Problem(**p) for p in problems], group_offset, scorer)
+
+
+def score_chunk(result: dict, problems: list[Problem], group_offset: int, scorer: Scorer) -> dict:
+    """Stamp a generated chunk's rollouts with ``scorer``'s scores (the problem of each is
+    ``problems[group_id - group_offset]``), what the rewards logged, and the scoring's timings."""
     t0 = time.time()
-    probs = [Problem(**p) for p in problems]
     rows = result["rollouts"]
     log = RewardLog(len(rows))
     state = scorer.progress(rows[0].get("iteration") or 0, rows[0].get("version")) if rows else None
-    stamp(rows, scorer.score_problems([probs[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows],
+    stamp(rows, scorer.score_problems([problems[r["group_id"] - group_offset] for r in rows], [r["text"] for r in rows],
                                       completion_ids=[r["completion_ids"] for r in rows], state=state, log=log), log)
     result["reward_metrics"] = log.metrics
     result["reward_start"], result["reward_end"] = t0, time.time()
     result["reward_worker"] = get_worker().address
+    result["scored"] = True
     return result
 
 

@@ -285,6 +285,31 @@ def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_pat
         client.cancel([batch])
 
 
+def test_without_reward_workers_a_chunk_is_scored_in_its_generation_task(tmp_path, client, monkeypatch):
+    """No reward workers: the rollout task scores its chunk itself (one task and one scheduler round
+    trip fewer between generation and the driver), so the driver submits no reward task and every
+    chunk was scored on the worker that generated it, with the same rewards the rules give."""
+    submitted = []
+    real = client.submit
+
+    def spy(fn, *args, **kw):
+        submitted.append(fn.__name__)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(client, "submit", spy)
+    cfg = _cfg(tmp_path, iterations=2, world_size=1)
+    res = loop.run(cfg, client=client, progress=False)
+    assert "reward_task" not in submitted and submitted.count("rollout_task") == submitted.count("summary_task") > 0
+    assert all(r["reward_workers"] == r["rollout_workers"] == 2 for r in res.records)  # each chunk where it was made
+    rows = _rollouts(tmp_path / "run")
+    task = tasks.for_config(cfg)
+    pool = {p.id: p for p in task.load("train", cfg.data.train_size, cfg.run.seed)}
+    scores = task.scorer(cfg.reward.reward_timeout_s).score_problems([pool[r["prompt_id"]] for r in rows],
+                                                                    [r["text"] for r in rows])
+    assert len(rows) == 2 * 16 and [r["reward"] for r in rows] == [sc.reward for sc in scores]
+    assert len({r["reward"] for r in rows}) > 1  # right and wrong completions both scored
+
+
 def test_sequential_is_on_policy(tmp_path, client):
     cfg = _cfg(tmp_path, pipelined=False, world_size=1)
     res = loop.run(cfg, client=client, progress=False)
