@@ -15,6 +15,10 @@ Figures (means over the measured iterations):
        dispatch, publish, fetch, serialization                           (target <= 3%)
 - gang overhead = (driver-measured training step - rank compute - publish) / rank compute: the warm
   gang's per-step cost of dispatch, batch transfer, state check and stats return (target <= 10%)
+- p1_lockstep_floor = mean over iterations of max(generation of batch i+1, training of batch i),
+  the pair that runs side by side, over max(generation, training): P1's floor when the two sides
+  are balanced and jitter; fixed_cost_share = the pipelined iteration beyond that mean, as a share
+  of it (what dispatch, publish and the driver's own work cost)
 - trainer_idle_s, rollout_idle_s = pipelined medians of the trainer's idle time from one step's end
   to the next one's start, and of the rollout worker's between batches (from the records' spans)
 - the pipelined figures above are the default's, where each training step is submitted with its
@@ -103,7 +107,16 @@ def measure(client, mode: str, args, root: str, train_ahead: bool = True, tag: s
     wall = (recs[-1]["t_iter_start"] - recs[0]["t_iter_start"]) / (len(recs) - 1)
     return {"mode": mode, "iter_s": wall, "gen_s": gen, "train_compute_s": train, "train_step_s": step,
             "publish_s": _mean([r["publish_s"] + r["checkpoint_s"] for r in recs]),
-            "reward_mean": _mean([r["reward_mean"] for r in recs]), **idle_gaps(recs)}
+            "reward_mean": _mean([r["reward_mean"] for r in recs]), "pair_max_s": lockstep_floor(recs), **idle_gaps(recs)}
+
+
+def lockstep_floor(recs: list[dict]) -> float:
+    """Mean over iterations of max(generation of batch i+1, training of batch i): the two that run
+    side by side in a pipelined iteration (batch i+2 needs the version batch i's step publishes, so
+    the pair moves in lockstep). The iteration cannot beat it whatever the fixed costs; above
+    max(mean generation, mean training) when the two sides are balanced and each jitters."""
+    pairs = [max(b["gen_s"], a["train_compute_s"]) for a, b in zip(recs, recs[1:], strict=False)]
+    return _mean(pairs) if pairs else float("nan")
 
 
 def _median_run(runs: list[dict]) -> dict:
@@ -177,6 +190,10 @@ def main() -> None:
     print(f"P1 pipelined / max(gen, train)      = {p1:.3f}  (target <= 1.05)")
     print(f"P2 speedup as share of the ideal    = {p2:.1%}  (target >= 90%)")
     print(f"P3 overhead share of the iteration  = {p3:.1%}  (target <= 3%)")
+    floor = pipe["pair_max_s"] / longest
+    fixed = max(0.0, pipe["iter_s"] - pipe["pair_max_s"]) / pipe["iter_s"]
+    print(f"lockstep floor of P1                = {floor:.3f}  (mean of max(gen of batch i+1, training of batch i) / "
+          f"max of the means: what jitter alone costs); the iteration beyond it: {fixed:.1%} (the fixed costs)")
     print(f"gang per-step overhead over compute = {gang:.1%}  (target <= 10%)")
     print(f"token payload through the driver    = {payload:,.0f} bytes per iteration")
     print(f"pipelined, medians between iterations: trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms from one step's "
@@ -198,6 +215,8 @@ def main() -> None:
         "p3_overhead_share": round(p3, 4),
         "gang_overhead_share": round(gang, 4),
         "driver_payload_bytes": round(payload),
+        "p1_lockstep_floor": round(floor, 4),
+        "fixed_cost_share": round(fixed, 4),
         "trainer_idle_s": round(pipe["trainer_idle_s"], 4),
         "rollout_idle_s": round(pipe["rollout_idle_s"], 4),
         "pipelined_in_turn_iter_s": round(turn["iter_s"], 4),

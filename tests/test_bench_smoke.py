@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -284,6 +285,14 @@ def test_multiturn_throughput_measures_both_sides_on_one_engine():
 def test_pipelining_repeats_report_per_figure_medians():
     runs = [{"mode": "pipelined", "iter_s": x, "trainer_idle_s": y} for x, y in ((1.0, 0.03), (3.0, 0.01), (2.0, 0.02))]
     assert load_bench("pipelining")._median_run(runs) == {"mode": "pipelined", "iter_s": 2.0, "trainer_idle_s": 0.02}
+
+
+def test_pipelining_lockstep_floor_pairs_each_step_with_the_next_batchs_generation():
+    """bench/pipelining.py's P1 floor: training of batch i runs beside generation of batch i+1."""
+    recs = [{"gen_s": 1.0, "train_compute_s": 2.0}, {"gen_s": 3.0, "train_compute_s": 1.0},
+            {"gen_s": 0.5, "train_compute_s": 9.0}]
+    assert load_bench("pipelining").lockstep_floor(recs) == pytest.approx((3.0 + 1.0) / 2)
+    assert math.isnan(load_bench("pipelining").lockstep_floor(recs[:1]))
 
 
 def test_pipelining_idle_gaps_come_from_the_spans():
