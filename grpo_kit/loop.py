@@ -201,20 +201,30 @@ def run(
         return RunResult(run_dir, driver.records, summary)
     finally:
         tracking.end()  # a failed run's trackers are closed too (no report)
-        if driver is not None and driver.steps:
-            try:  # the run failed or was interrupted: the store must end at the committed version
-                taken = driver.withdraw_steps()
-                if taken and progress:
-                    print(f"took back v{', v'.join(map(str, taken))}: published by training steps submitted ahead "
-                          "and never committed (a resumed run trains them again)", flush=True)
-            except Exception as e:  # never mask the run's own error
-                warnings.warn(f"could not take back the training steps submitted ahead: {e!r}; a resumed run "
-                              "adopts any version they published (a record rebuilt from the trainer's statistics)",
-                              stacklevel=2)
-        if gang is not None:
-            gang.close()
-        if own_client:
-            cl.shutdown(client)
+        try:
+            if driver is not None and driver.steps:  # the run failed or was interrupted
+                _take_back(driver, progress)
+        finally:  # a second interrupt while a step is waited for still closes the gang and the cluster
+            try:
+                if gang is not None:
+                    gang.close()
+            finally:
+                if own_client:
+                    cl.shutdown(client)
+
+
+def _take_back(driver: _Driver, progress: bool) -> None:
+    """The store must end at the committed version: take back the steps submitted ahead
+    (:meth:`_Driver.withdraw_steps`); a failure to is a warning, never masking the run's own error."""
+    try:
+        taken = driver.withdraw_steps()
+    except Exception as e:
+        warnings.warn(f"could not take back the training steps submitted ahead: {e!r}; a resumed run adopts any "
+                      "version they published (a record rebuilt from the trainer's statistics)", stacklevel=3)
+        return
+    if taken and progress:
+        print(f"took back v{', v'.join(map(str, taken))}: published by training steps submitted ahead and never "
+              "committed (a resumed run trains them again)", flush=True)
 
 
 class _Driver:
