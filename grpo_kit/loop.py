@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import algorithms, checkpoint, logs, preflight, remote, tasks
+from . import algorithms, checkpoint, evals, logs, preflight, remote, tasks
 from . import cluster as cl
 from .adapters import AdapterStore
 from .config import Config
@@ -121,7 +121,7 @@ def run(
     a scheduler the client joined by address keep their output where they were started (call
     ``route_worker_logs`` for them on a shared file system).
     ``eval_sets``: more held-out sets by name, as ``DataConfig.eval_sets`` takes them or as Task
-    objects (added to those the config names; see :func:`eval_set_tasks`).
+    objects (added to those the config names; see :func:`grpo_kit.evals.eval_set_tasks`).
     One run at a time per cluster: a run registers its engines on every rollout worker.
     """
     from tqdm.auto import tqdm
@@ -140,7 +140,7 @@ def run(
     tracking = TrackerSet.for_names(cfg.run.report_to)  # and an unknown tracker name
     train_pool = task.load("train", cfg.data.train_size, cfg.run.seed)
     heldout = task.load("heldout", cfg.data.eval_size, 0)
-    more_sets = eval_set_tasks(cfg, task, eval_sets)
+    more_sets = evals.eval_set_tasks(cfg, task, eval_sets)
     more_heldout = {n: [remote.problem_dict(p) for p in t.load("heldout", cfg.data.eval_size, 0)] for n, t in more_sets.items()}
     own_client = client is None
     if own_client:
@@ -189,7 +189,7 @@ def run(
                          list(callbacks), records, task.scorer(cfg.reward.reward_timeout_s, max_steps=cfg.run.iterations), EpisodePlan.of(task, cfg))
         driver.pruner = Pruner(store, cfg.run.keep_versions, cfg.run.keep_every)
         driver.trackers = tracking
-        driver.eval_sets = {n: (more_heldout[n], t.scorer(cfg.reward.reward_timeout_s)) for n, t in more_sets.items()}
+        driver.evals.sets += [(n, more_heldout[n], t.scorer(cfg.reward.reward_timeout_s), None) for n, t in more_sets.items()]
         if resume:  # versions a crash (or a run with another policy) left behind
             driver.pruner.sweep(state["version"], driver.busy_versions())
         # engines and policies are built before the first iteration's clock starts
@@ -237,9 +237,6 @@ class _Driver:
         self.state, self.metrics_path, self.samples_path = state, metrics_path, samples_path
         self.callbacks, self.records = callbacks, records
         self.pending: dict[int, _Pending] = {}
-        self.evals: list = []  # (iteration, future)
-        self.eval_sets: dict = {}  # name -> (problems, scorer): DataConfig.eval_sets beside the task's own
-        self.eval_set_of: dict = {}  # an eval future's key -> its set's name (the task's own: absent)
         self.startup_s: float | None = None  # engines and policies built before the first iteration
         self.warm_up_s: dict = {}  # seconds per engine / rank (remote.warm_up)
         # task keys are unique per run() call: two drivers on one scheduler never share a task
@@ -254,11 +251,12 @@ class _Driver:
         self.scorer = scorer
         self.episodes = episodes  # a multi-turn task's EpisodePlan (its chunks are scored on the rollout worker)
         self.episode_kw = {"episodes": episodes, "scorer": scorer} if episodes is not None else {}
-        # scoring runs on workers with the reward resource where there are any, else anywhere
+        # scoring runs on workers with the reward resource where there are any, else in the rollout task
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
-        # evaluation on its own workers where there are any (off the rollout engines), else after generation
-        self.eval_role = cl.EVAL if cl.workers_with(client, cl.EVAL) else cl.ROLLOUT
         self.retries = remote.TaskRetries(client, cfg.run.max_task_failures)  # resubmits what KilledWorker ends
+        # held-out evaluations: the task's own set here, the run's other sets added by run()
+        self.evals = evals.Evaluations(client, cfg, self.key, [(None, heldout, scorer, episodes)], self.retries,
+                                       seed=_seed(cfg.run.seed, "eval"))
         self.carry: list[Group] = []  # dynamic sampling: usable groups for the next batch
         self.carry_for = state["next_iteration"]  # the iteration the carry goes into
         self.carry_specs: list[dict] = []  # where each carried group's chunk came from (the run state keeps them)
@@ -419,37 +417,15 @@ class _Driver:
         """Adapter versions the run still needs besides the policy's: those of batches in flight,
         pending evaluations and carried groups (a lost chunk is recomputed from its version), and
         those the run state names for a resumed run (its pending batches and carried groups)."""
-        busy = {p.version for p in self.pending.values()} | {_eval_version(f) for _, f in self.evals}
+        busy = {p.version for p in self.pending.values()} | self.evals.versions()
         busy |= {g.version for g in self.carry}
         busy |= {p["version"] for p in (self.state.get("pending") or {}).values()}
         return busy | {e["version"] for e in self.state.get("carry") or []}
 
-    def submit_eval(self, iteration: int, version: int) -> None:
-        r = self.cfg.run  # sampled evaluation: one seed for every version, so versions differ by policy, not draw
-        sets = [(None, self.heldout, self.scorer, self.episodes)] + [(n, p, sc, None) for n, (p, sc) in self.eval_sets.items()]
-        for name, probs, scorer, episodes in sets:
-            tag = f"-{name}" if name is not None else ""
-            fut = self.client.submit(remote.eval_task, probs, version, self.cfg.sampling.max_new_tokens, scorer,
-                                     episodes=episodes, samples=r.eval_samples, temperature=r.eval_temperature,
-                                     seed=_seed(r.seed, "eval"),
-                                     key=f"{self.key}-eval{tag}-{iteration}-v{version}", resources={self.eval_role: 1},
-                                     retries=2, priority=-10)  # generation goes first when both wait for an engine
-            self.evals.append((iteration, fut))
-            if name is not None:
-                self.eval_set_of[fut.key] = name
-
     def collect_evals(self, block: bool = False) -> list[dict]:
-        done = []
-        for it, fut in list(self.evals):
-            if not block and self.retries.retry_lost([fut]):
-                continue  # resubmitted: its workers died (KilledWorker)
-            if block or fut.done():
-                res = self.retries.gather([fut])[0]
-                res["iteration"] = it
-                if fut.key in self.eval_set_of:
-                    res["set"] = self.eval_set_of.pop(fut.key)
-                done.append(res)
-                self.evals.remove((it, fut))
+        """The evaluations finished now (``block``: all), into the run state (the first of version 0
+        is the base accuracy)."""
+        done = self.evals.collect(block)
         for res in done:
             self.state["evals"].append(res)
             if res["version"] == 0 and self.state["base_acc"] is None and "set" not in res:
@@ -466,7 +442,7 @@ class _Driver:
             self.restore_carry()
         self.submit_generation(start)
         if start == 0 and self.state["base_acc"] is None and cfg.run.eval_every > 0:
-            self.submit_eval(-1, 0)
+            self.evals.submit(-1, 0)
         for it in range(start, cfg.run.iterations):
             batch = self.assemble(it)
             step = self.train(batch)
@@ -567,7 +543,7 @@ class _Driver:
         self.retries.release_before(it - self.depth - cfg.run.max_staleness)  # carried groups may still train
         self.state["version"] = version + 1 if rollout_batch else version
         if rollout_batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
-            self.submit_eval(it, self.state["version"])
+            self.evals.submit(it, self.state["version"])
         return Step(stats, bool(rollout_batch), t_train, t_train_end)
 
     def record(self, batch: Batch, step: Step) -> MetricsRecord:
@@ -582,7 +558,7 @@ class _Driver:
         """Commit the iteration: attach finished evaluations, append the record, write the run state,
         apply retention, call the callbacks."""
         for res in self.collect_evals():
-            self._attach_eval(rec, res)
+            evals.attach(rec, res)
         rec["base_acc"] = self.state["base_acc"]
         # wall time of the loop itself, summed over resumed sessions: everything on the critical
         # path (dispatch, I/O, callbacks), unlike iter_s which ends when the record is complete
@@ -603,18 +579,6 @@ class _Driver:
         self.trackers.on_record(rec)
         bar.update(1)
         bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", acc=_fmt(self.last_eval()), v=rec["version"])
-
-    @staticmethod
-    def _attach_eval(rec: dict, res: dict) -> None:
-        """An evaluation that finished during this iteration: the base model's (version 0) is the
-        baseline, any other is the held-out accuracy of the version it names."""
-        rec.setdefault("evals", []).append(res)
-        rec["spans"].append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
-        if res["version"] > 0 and "set" not in res:  # another eval set's result stays in ``evals``
-            rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
-            rec["eval_lenient_acc"] = res.get("lenient_acc")
-            if "pass_at" in res:  # a sampled evaluation (eval_samples = k): pass@k at k, maj@k
-                rec["eval_pass_at_k"], rec["eval_maj_acc"] = res["pass_at"][str(res["samples"])], res["maj_acc"]
 
     def last_eval(self):
         evs = [e for e in self.state["evals"] if e["version"] > 0 and "set" not in e]
@@ -644,13 +608,13 @@ class _Driver:
         self.withdraw_steps()  # none in a run that trained every iteration
         final_version = self.state["version"]
         if cfg.run.eval_every and not any(e["version"] == final_version for e in self.state["evals"]):
-            if not any(it == cfg.run.iterations - 1 for it, _ in self.evals):
-                self.submit_eval(cfg.run.iterations - 1, final_version)
+            if not self.evals.submitted_for(cfg.run.iterations - 1):
+                self.evals.submit(cfg.run.iterations - 1, final_version)
         final = self.collect_evals(block=True)
         if final and self.records:
             last = self.records[-1]
             for res in final:
-                self._attach_eval(last, res)
+                evals.attach(last, res)
             last["base_acc"] = self.state["base_acc"]
             write_jsonl(self.metrics_path, self.records)
             self.trackers.on_eval(final, last["iteration"])
@@ -660,35 +624,9 @@ class _Driver:
         return summary
 
 
-def eval_set_tasks(cfg: Config, task: Task, given: Mapping[str, Task | str | dict] | None = None) -> dict[str, Task]:
-    """The run's other held-out sets (``cfg.data.eval_sets``, then ``given``) as tasks by name: a task
-    name or ``"package.module:factory"``, ``{"task": ..., **options}``, or a Task. Refused: a
-    multi-turn task, and one whose instruction differs from ``task``'s unless ``cfg.prompt.instruction``
-    sets one for all (the engines render every prompt with the run's instruction)."""
-    out = {}
-    for name, spec in {**cfg.data.eval_sets, **(given or {})}.items():
-        if isinstance(spec, dict):
-            opts = dict(spec)
-            t = tasks.resolve(opts.pop("task"), **opts)
-        else:
-            t = tasks.resolve(spec)
-        if t.multi_turn:
-            raise ValueError(f"eval set {name!r}: multi-turn tasks ({t.name!r}) are not supported as extra eval sets")
-        if cfg.prompt.instruction is None and t.instruction != task.instruction:
-            raise ValueError(f"eval set {name!r}: its instruction {t.instruction!r} is not the run task's "
-                             f"{task.instruction!r}; every prompt gets the run's, so set instruction= for all")
-        out[name] = t
-    return out
-
-
 def sampled_version(results: list[dict], default: int) -> int:
     """The oldest adapter version the chunks' rollouts were sampled from (``default`` if none)."""
     return min((r["version"] for res in results for r in res["rollouts"]), default=default)
-
-
-def _eval_version(fut) -> int:
-    """The adapter version of an evaluation future (its key ends in ``-v<version>``, submit_eval)."""
-    return int(str(fut.key).rsplit("-v", 1)[1])
 
 
 def _fmt(x):

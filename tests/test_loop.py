@@ -178,21 +178,6 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     assert res.records[0]["gang_restarts"] == 0
 
 
-def test_other_eval_sets_resolve_and_are_refused_clearly():
-    task = tasks.resolve("synthetic")
-    cfg = _cfg(Path("/tmp"), eval_sets={"gsm8k-like": "synthetic", "sums4": {"task": "synthetic", "n_digits": 4}})
-    other = tasks.Task("words", lambda split, n, seed: [], [lambda completions, **kw: [0.0] * len(completions)],
-                       instruction="Answer in words.")
-    got = loop.eval_set_tasks(cfg, task, {"mine": task})
-    assert list(got) == ["gsm8k-like", "sums4", "mine"] and got["mine"] is task
-    with pytest.raises(ValueError, match="multi-turn"):
-        loop.eval_set_tasks(cfg, task, {"tools": "calculator"})
-    with pytest.raises(ValueError, match="instruction 'Answer in words.' is not the run task's"):
-        loop.eval_set_tasks(cfg, task, {"words": other})
-    # one instruction for every prompt (PromptConfig.instruction): then any single-turn task goes
-    assert loop.eval_set_tasks(cfg.override(instruction="Say it."), task, {"words": other})["words"] is other
-
-
 def test_steps_submitted_ahead_train_what_steps_submitted_in_turn_train(tmp_path, client, monkeypatch):
     """RunConfig.train_ahead: each step is submitted with its batch's generation, before the record of
     the step before it is written (so the trainer starts it without a round trip through the driver),
