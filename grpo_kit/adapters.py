@@ -425,6 +425,12 @@ class AdapterStore:
         if self.fs.exists(path):
             self.fs.rm(path)
 
+    def state_exists(self, name: str) -> bool:
+        """Whether ``state/<name>.pt`` is in the store."""
+        path = self._state_path(name, ".pt")
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
     def load_state(self, name: str, map_location: Any = "cpu") -> Any:
         """Load ``state/<name>.pt`` with ``torch.load(weights_only=True)``: tensors and plain containers only."""
         import torch

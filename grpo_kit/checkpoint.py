@@ -20,6 +20,7 @@ import json
 from .adapters import AdapterStore
 from .config import Config
 from .records import MetricsRecord, RunFiles, read_jsonl, trim_jsonl, write_jsonl
+from .retention import delete_version
 from .tasks import Task
 
 RUN_STATE = "run"
@@ -101,14 +102,20 @@ def load_state(store: AdapterStore, run_id: str) -> dict | None:
 
 
 def reconcile(state: dict, store: AdapterStore) -> dict:
-    """Fold in a step that published its adapter but died before the run state was written."""
-    latest = store.latest() or 0
-    while latest > state["version"]:
-        v = state["version"] + 1
+    """Fold in the steps that published their adapters but whose run state was never written (a driver
+    that died in between), along the unbroken chain of versions above the state's. A version past a
+    gap in that chain (its parent was taken back by a stopping driver, :meth:`TrainerGang.withdraw`,
+    while a step that had just started published it) was trained from weights the run no longer
+    has: it is deleted, and its iteration trained again."""
+    v = state["version"] + 1
+    while store.exists(v):
         meta = store.manifest(v).get("meta", {})
         # the folded-in step consumed the carry the state names, and its own carry was never written
         state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1),
                  "carry": []}
+        v += 1
+    for orphan in [x for x in store.versions() if x > state["version"]]:
+        delete_version(store, orphan)
     return state
 
 

@@ -428,8 +428,9 @@ class RunConfig:
     generation is submitted, depending on the step before it and on the batch's scored chunks, so
     the trainer starts it the moment both are done instead of after a round trip through the driver
     (which reads the batch's summaries meanwhile, for the record). A driver that stops (an error, an
-    interrupt) cancels the steps not started and takes back the version a running one publishes, so
-    the store ends at the committed version. False: each step is submitted when the driver trains."""
+    interrupt) cancels the steps not started, waits for a running one and takes back every version
+    published past the run state's, so the store ends at the committed version (either way).
+    False: each step is submitted when the driver trains."""
     staleness_policy: str = "pace"
     """``"pace"``: generation waits, so that no batch is ever more than ``max_staleness`` behind (the
     depth is capped at it). ``"discard"``: generation runs ``pipeline_depth`` batches ahead, each chunk

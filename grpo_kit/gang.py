@@ -31,9 +31,9 @@ from . import algorithms
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
 from .loss import group_advantages
-from .retention import delete_version
+from .retention import OPTIMIZER_STATE_KEY, delete_version
 from .sampling import Group
-from .trainer import RankSpec, teardown, train_rank
+from .trainer import RankSpec, optimizer_state_name, teardown, train_rank
 
 log = logging.getLogger(__name__)
 
@@ -318,34 +318,43 @@ class TrainerGang:
                 return {**meta.get("stats", {}), "recovered": True}
             self.recover(error, f"iteration {iteration}")
 
-    def withdraw(self, handles: list[StepHandle], store: AdapterStore, timeout: float | None = None) -> list[int]:
-        """Take back steps submitted ahead that the driver will not wait for (it stops), so that the
-        store ends at the version the driver committed and a resumed run trains those iterations again
-        with full records. In submission order: a step a worker has started (or finished) is waited for
-        (a running task cannot be stopped) and the version it published is deleted, adapter and
-        optimizer state; the first step not started is cancelled, and with it every later one (each
-        depends on the one before). A step that fails, or one that starts in the few milliseconds
-        between the scheduler's answer and the cancel, may leave its version behind: a resumed run
-        adopts it, as after a driver that died between a publish and the run state
-        (:func:`grpo_kit.checkpoint.reconcile`). Returns the versions deleted."""
+    def withdraw(self, handles: list[StepHandle], store: AdapterStore, committed: int,
+                 timeout: float | None = None) -> list[int]:
+        """Take back what the driver will not commit (it stops) so that the store ends at version
+        ``committed`` (the run state's) and a resumed run trains those iterations again with full
+        records. ``handles``: the steps submitted and not waited for. The scheduler is asked once where
+        each stands: every step after the last one a worker has started (or finished) is cancelled
+        first, so none starts behind it; then the started ones are waited for (a running task cannot
+        be stopped); then every version above ``committed`` is deleted, newest first, adapter and
+        optimizer state (:func:`grpo_kit.retention.delete_version`), which includes a version whose
+        step the driver waited for but did not commit. Left in place, for a resumed run to adopt as
+        after a driver that died between a publish and the run state
+        (:func:`grpo_kit.checkpoint.reconcile`): everything, when ``committed``'s own optimizer state is
+        gone (the resumed run could not load it); and a version a step publishes after this returns
+        (one that started in the milliseconds between the scheduler's answer and the cancel).
+        Returns the versions deleted."""
         handles = sorted(handles, key=lambda h: h.iteration)
-        published = []
-        for i, h in enumerate(handles):
-            started = h.gang_id == self.gang_id and any(
-                st in ("processing", "memory") for st in task_states(self.client, h.futures))
-            if not started:
-                for rest in handles[i:]:
-                    self.client.cancel(rest.futures)
-                break
-            log.warning("the driver stopped while the step of iteration %d runs: waiting for it to take back v%d",
-                        h.iteration, h.version + 1)
-            _, error = results_of(h.futures, self.step_timeout_s if timeout is None else timeout, alive=self._alive)
-            if error is not None:
-                for rest in handles[i:]:
-                    self.client.cancel(rest.futures)
-                break
-            published.append(h.version + 1)
-        return [v for v in sorted(published, reverse=True) if delete_version(store, v)]  # newest first
+        ours = [h for h in handles if h.gang_id == self.gang_id]  # the others were never going to run
+        states = task_states(self.client, [f for h in ours for f in h.futures])
+        started = [h for k, h in enumerate(ours)
+                   if any(st in ("processing", "memory") for st in states[k * len(h.futures):(k + 1) * len(h.futures)])]
+        last = max((h.iteration for h in started), default=None)
+        for h in handles:
+            if last is None or h.iteration > last or h.gang_id != self.gang_id:
+                self.client.cancel(h.futures)
+        for h in started:
+            log.warning("the driver stopped while the step of iteration %d runs: waiting for it to take back "
+                        "v%d", h.iteration, h.version + 1)
+            results_of(h.futures, self.step_timeout_s if timeout is None else timeout, alive=self._alive)
+        above = [v for v in store.versions() if v > committed]
+        if not above:
+            return []
+        if committed > 0 and not store.state_exists(store.manifest(committed).get("meta", {}).get(OPTIMIZER_STATE_KEY)
+                                                    or optimizer_state_name(committed)):
+            log.warning("v%d's optimizer state is gone: v%s left for a resumed run to adopt", committed,
+                        ", v".join(map(str, above)))
+            return []
+        return [v for v in sorted(above, reverse=True) if delete_version(store, v)]
 
     def recover(self, error: BaseException, where: str) -> None:
         """After a failure of the gang's rank tasks (a training step, or the pre-flight sweep:

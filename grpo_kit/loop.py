@@ -202,7 +202,7 @@ def run(
     finally:
         tracking.end()  # a failed run's trackers are closed too (no report)
         try:
-            if driver is not None and driver.steps:  # the run failed or was interrupted
+            if driver is not None and driver.uncommitted():  # the run failed or was interrupted
                 _take_back(driver, progress)
         finally:  # a second interrupt while a step is waited for still closes the gang and the cluster
             try:
@@ -223,8 +223,8 @@ def _take_back(driver: _Driver, progress: bool) -> None:
                       "version they published (a record rebuilt from the trainer's statistics)", stacklevel=3)
         return
     if taken and progress:
-        print(f"took back v{', v'.join(map(str, taken))}: published by training steps submitted ahead and never "
-              "committed (a resumed run trains them again)", flush=True)
+        print(f"took back v{', v'.join(map(str, taken))}: published by training steps the run never committed "
+              "(a resumed run trains them again)", flush=True)
 
 
 class _Driver:
@@ -247,6 +247,7 @@ class _Driver:
         self.train_ahead = (cfg.run.train_ahead and self.depth > 0 and not s.dynamic_sampling
                             and cfg.run.staleness_policy == "pace")
         self.steps: dict[int, StepHandle] = {}
+        self.committed = state["version"]  # the version the run state in the store names
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.scorer = scorer
         self.episodes = episodes  # a multi-turn task's EpisodePlan (its chunks are scored on the rollout worker)
@@ -508,18 +509,26 @@ class _Driver:
         after = self.steps.get(iteration - 1)
         if after is None and iteration != self.state["next_iteration"]:
             return  # the step before it has not been submitted: no place in the chain yet
+        if after is not None and after.gang_id != self.gang.gang_id:
+            return  # queued on a gang re-formed since: it goes again in its turn, and this one after it
         version = after.version + 1 if after is not None else self.state["version"]
         batch = RolloutBatch(pend.scored, None, self.cfg.sampling.group_size)
         self.steps[iteration] = self.gang.submit(batch, version, iteration, after=after)
 
+    def uncommitted(self) -> bool:
+        """Whether steps were submitted and not waited for, or a version published and not committed."""
+        return bool(self.steps) or self.state["version"] > self.committed
+
     def withdraw_steps(self) -> list[int]:
-        """Take back the training steps submitted ahead and not waited for (the driver stops): those not
-        started are cancelled, one already running is waited for and the version it published deleted
-        (:meth:`TrainerGang.withdraw`), so that a resumed run trains that iteration again from the
-        same seeds with a full record. Returns the versions deleted."""
+        """Take back what the run did not commit (the driver stops): the training steps submitted and
+        not waited for, and every version published past the run state's (:meth:`TrainerGang.withdraw`),
+        so that a resumed run trains those iterations again from the same seeds with full records.
+        Returns the versions deleted."""
+        if not self.uncommitted():
+            return []
         handles = list(self.steps.values())
         self.steps.clear()
-        return self.gang.withdraw(handles, self.store) if handles else []
+        return self.gang.withdraw(handles, self.store, self.committed)
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
@@ -529,16 +538,22 @@ class _Driver:
         # by reference: the ranks fetch the tokens and take the advantages from the same rewards
         rollout_batch = batch_of(batch.picked, cfg.sampling.group_size)
         t_train = time.time()
-        handle = self.steps.pop(it, None)
+        handle = self.steps.get(it)
         if handle is not None:  # submitted ahead, on every completion of the batch: check that is the one picked
             if (handle.version != version or [f.key for f in handle.batch.scored] != [f.key for f in rollout_batch.scored]
                     or all_picks(batch.results) != rollout_batch.picks):
                 raise RuntimeError(f"iteration {it}: the step submitted ahead (from v{handle.version}) is not the "
                                    f"batch the driver picked (from v{version})")
+            ahead = True
+        elif rollout_batch:
+            handle = self.steps[it] = self.gang.submit(rollout_batch, version, it)
+            ahead = False
+        stats = {}
+        if handle is not None:  # popped once waited for: a driver stopping while it waits takes it back
             stats = self.gang.finish(handle, self.store, retries=self.retries)
-            t_train = min([t_train] + [r["start"] for r in stats.get("ranks", [])])  # it may have started earlier
-        else:
-            stats = self.gang.step(rollout_batch, version, it, self.store, retries=self.retries) if rollout_batch else {}
+            self.steps.pop(it)
+            if ahead:  # it may have started before the driver waited for it
+                t_train = min([t_train] + [r["start"] for r in stats.get("ranks", [])])
         t_train_end = time.time()
         self.retries.release_before(it - self.depth - cfg.run.max_staleness)  # carried groups may still train
         self.state["version"] = version + 1 if rollout_batch else version
@@ -573,6 +588,7 @@ class _Driver:
         self.state.update(checkpoint.resume_fields(self.groups_seen, self.carry_specs,
                                                    {j: (p.version, p.n) for j, p in self.pending.items()}))
         checkpoint.save_state(self.store, self.state)
+        self.committed = self.state["version"]
         self.prune()
         for cb in self.callbacks:
             cb(rec)

@@ -7,7 +7,7 @@ deletes the versions the policy no longer keeps:
 - the last ``keep_versions`` versions (``RunConfig.keep_versions``; 0 keeps every version),
 - every version that is a multiple of ``keep_every`` (``RunConfig.keep_every``; 0: none of them),
 - always: the latest committed version (resume loads its adapter and the optimizer state its
-  manifest names; the trainer keeps the two optimizer states it wrote last) and any version a
+  manifest names; the trainer keeps the three optimizer states it wrote last) and any version a
   batch in flight, a pending evaluation or a carried group (dynamic sampling) uses: Dask recomputes
   a lost chunk from its version (the driver's ``protect`` set; a resumed run's sweep protects those
   its run state names).

@@ -362,7 +362,9 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
         stats = state.store.manifest(version + 1).get("meta", {}).get("stats", stats)
     elif spec.rank == 0:
         state.saved_states.append(name)
-        while len(state.saved_states) > 2:  # keep the last two this process wrote
+        # keep the last three this process wrote: a driver that stops takes back up to two versions
+        # published past the one it committed (gang.TrainerGang.withdraw), whose state must stay
+        while len(state.saved_states) > 3:
             state.store.delete_state(state.saved_states.pop(0))
     adopted = outcome == ADOPTED
     t_end = time.time()

@@ -51,3 +51,16 @@ def test_evaluation_settings_do_not_change_what_a_resumed_run_must_share():
     same = cfg.override(eval_samples=8, eval_temperature=0.7, eval_every=2, eval_sets={"more": "synthetic"})
     assert checkpoint.run_id_for(cfg, "x", task) == checkpoint.run_id_for(same, "x", task)
     assert checkpoint.run_id_for(cfg, "x", task) != checkpoint.run_id_for(cfg.override(n_digits=2), "x", task)  # training data
+
+
+def test_reconcile_folds_in_the_unbroken_chain_and_deletes_a_version_past_a_gap(tmp_path):
+    """v3 and v4 above the state's v2, then v6 past a gap (its parent v5 was taken back while the step
+    that publishes v6 had just started): v3 and v4 are folded in, v6 is deleted (it was trained from
+    weights the run no longer has) and its iteration trains again."""
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in (1, 2, 3, 4, 6):
+        _publish(store, tmp_path, v, v - 1)
+    state = {**checkpoint.fresh_state("abc"), "next_iteration": 2, "version": 2}
+    out = checkpoint.reconcile(state, store)
+    assert (out["version"], out["next_iteration"]) == (4, 4)
+    assert store.versions() == [1, 2, 3, 4]

@@ -222,9 +222,13 @@ def test_steps_submitted_ahead_train_what_steps_submitted_in_turn_train(tmp_path
 
 
 def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_path, client):
-    """TrainerGang.withdraw, on stand-in steps that publish a version as a rank task does: the one a
-    worker runs is waited for and its version deleted (adapter and optimizer state); the one still
-    waiting on its batch is cancelled, and with it the one chained after it: neither ever publishes."""
+    """TrainerGang.withdraw, on stand-in steps that publish a version as a rank task does. The one a
+    worker runs is waited for and its version deleted (adapter and optimizer state); the next one,
+    whose batch is ready and which would start the moment the running one ends, is cancelled before
+    the wait, and with it the one chained after it: neither ever publishes. The store ends at the
+    committed version (0 here)."""
+    import threading
+
     from distributed import Event
 
     from grpo_kit.trainer import RankSpec
@@ -233,11 +237,12 @@ def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_pat
     root = str(tmp_path / "store")
     store = AdapterStore(root)
     g = gang.TrainerGang(client, RankSpec.for_run(cfg, "withdraw", "unused", root, None))
-    gate = Event(f"batch-ready-{os.urandom(3).hex()}", client=client)
+    running = Event(f"step-may-end-{os.urandom(3).hex()}", client=client)
     src = str(tmp_path)
 
-    def publish(version, *after, wait=0.0):
-        time.sleep(wait)
+    def publish(version, *after, gate=None):
+        if gate is not None:
+            Event(gate).wait(60)
         d = Path(src) / f"v{version}"
         d.mkdir()
         (d / "adapter_config.json").write_text("{}")
@@ -247,27 +252,28 @@ def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_pat
         st.publish_dir(str(d), version, meta={"optimizer_state": f"optimizer/v{version:06d}-a"}, parent=version - 1)
         return {"param_checksum": 0.0}
 
-    rollout, trainer_w = cl.workers_with(client, cl.ROLLOUT)[0], g.workers[0]
-    batch = client.submit(lambda name: Event(name).wait(60), gate.name, workers=[rollout], pure=False)
+    w = g.workers[0]
+    batch = client.submit(lambda: 1, pure=False)
+    batch.result()  # the next step's batch is ready: only the step before it holds it back
     try:
-        f1 = client.submit(publish, 1, wait=1.0, workers=[trainer_w], pure=False)
-        f2 = client.submit(publish, 2, f1, batch, workers=[trainer_w], pure=False)
-        f3 = client.submit(publish, 3, f2, workers=[trainer_w], pure=False)
+        f1 = client.submit(publish, 1, gate=running.name, workers=[w], pure=False)
+        f2 = client.submit(publish, 2, f1, batch, workers=[w], pure=False)
+        f3 = client.submit(publish, 3, f2, workers=[w], pure=False)
         handles = [gang.StepHandle(None, v - 1, v, g.gang_id, [f]) for v, f in ((3, f3), (1, f1), (2, f2))]
-        deadline = time.time() + 30
+        deadline = time.time() + 60
         while gang.task_states(client, [f1]) != ["processing"]:
             assert time.time() < deadline
             time.sleep(0.02)
-        assert not store.exists(1)  # still running when the driver stops
-        assert g.withdraw(handles, store) == [1]
+        threading.Timer(1.0, running.set).start()  # the running step ends only while withdraw waits
+        t0 = time.time()
+        assert g.withdraw(handles, store, committed=0) == [1]
+        assert time.time() - t0 >= 0.9  # it did wait for the running step
         assert store.versions() == []
-        assert not list(Path(root, "state", "optimizer").glob("v000001*"))
-        gate.set()  # the batch the cancelled step waited for arrives: nothing runs any more
+        assert not list(Path(root, "state", "optimizer").glob("*.pt"))
         time.sleep(1.0)
         assert store.versions() == [] and f2.cancelled() and f3.cancelled()
     finally:
-        gate.set()
-        client.cancel([batch])
+        running.set()
 
 
 def test_without_reward_workers_a_chunk_is_scored_in_its_generation_task(tmp_path, client, monkeypatch):
@@ -420,9 +426,9 @@ def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_
     taken = []
     real = gang.TrainerGang.withdraw
 
-    def spy(self, handles, st, timeout=None):
+    def spy(self, handles, st, committed, timeout=None):
         taken.append([h.iteration for h in handles])
-        out = real(self, handles, st, timeout)
+        out = real(self, handles, st, committed, timeout)
         taken.append(out)
         return out
 
@@ -447,6 +453,32 @@ def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_
     assert not [r for r in res.records if r.get("recovered")]
     assert all(r["reward_mean"] is not None and r["rollout_version"] is not None for r in res.records)
     assert _chain(store) == [1, 2, 3, 4]
+
+
+def test_a_driver_failing_before_it_commits_takes_back_the_version_it_waited_for(tmp_path, client, monkeypatch):
+    """The driver waited for iteration 1's step (v2 published) and fails before writing the run state
+    (building the record raises): v2, and whatever the step submitted ahead published, are taken
+    back, so the store ends at the committed v1 and the resumed run trains iteration 1 again with a
+    full record instead of adopting v2 with one rebuilt from the trainer's statistics."""
+    cfg = _cfg(tmp_path, iterations=3, world_size=1)
+    store = AdapterStore(cfg.run.store_root)
+    real = loop.iteration_record
+
+    def fails_at_1(cfg_, batch, *a, **kw):
+        if batch.iteration == 1:
+            raise _Stop
+        return real(cfg_, batch, *a, **kw)
+
+    monkeypatch.setattr(loop, "iteration_record", fails_at_1)
+    with pytest.raises(_Stop):
+        loop.run(cfg, client=client, progress=False)
+    assert store.read_json("run")["version"] == 1 and store.versions() == [1]
+    monkeypatch.setattr(loop, "iteration_record", real)
+    res = loop.run(cfg, client=client, resume=True, progress=False)
+    assert [r["iteration"] for r in res.records] == [0, 1, 2]
+    assert not [r for r in res.records if r.get("recovered")]
+    assert all(r["reward_mean"] is not None for r in res.records)
+    assert _chain(store) == [1, 2, 3]
 
 
 @pytest.mark.parametrize("dynamic,multi_turn", [(False, False), (True, False), (True, True)],
