@@ -318,7 +318,7 @@ class TrainerGang:
                 return {**meta.get("stats", {}), "recovered": True}
             self.recover(error, f"iteration {iteration}")
 
-    def withdraw(self, handles: list[StepHandle], store: AdapterStore, committed: int,
+    def withdraw(self, handles: list[StepHandle], store: AdapterStore, committed: int, delete: bool = True,
                  timeout: float | None = None) -> list[int]:
         """Take back what the driver will not commit (it stops) so that the store ends at version
         ``committed`` (the run state's) and a resumed run trains those iterations again with full
@@ -332,6 +332,7 @@ class TrainerGang:
         (:func:`grpo_kit.checkpoint.reconcile`): everything, when ``committed``'s own optimizer state is
         gone (the resumed run could not load it); and a version a step publishes after this returns
         (one that started in the milliseconds between the scheduler's answer and the cancel).
+        ``delete=False``: only cancel the steps not started, wait for nothing, delete nothing.
         Returns the versions deleted."""
         handles = sorted(handles, key=lambda h: h.iteration)
         ours = [h for h in handles if h.gang_id == self.gang_id]  # the others were never going to run
@@ -342,6 +343,8 @@ class TrainerGang:
         for h in handles:
             if last is None or h.iteration > last or h.gang_id != self.gang_id:
                 self.client.cancel(h.futures)
+        if not delete:
+            return []
         for h in started:
             log.warning("the driver stopped while the step of iteration %d runs: waiting for it to take back "
                         "v%d", h.iteration, h.version + 1)

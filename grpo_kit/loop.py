@@ -248,6 +248,7 @@ class _Driver:
                             and cfg.run.staleness_policy == "pace")
         self.steps: dict[int, StepHandle] = {}
         self.committed = state["version"]  # the version the run state in the store names
+        self.eval_due: tuple[int, int] | None = None  # (iteration, version) to evaluate once committed
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.scorer = scorer
         self.episodes = episodes  # a multi-turn task's EpisodePlan (its chunks are scored on the rollout worker)
@@ -521,14 +522,18 @@ class _Driver:
 
     def withdraw_steps(self) -> list[int]:
         """Take back what the run did not commit (the driver stops): the training steps submitted and
-        not waited for, and every version published past the run state's (:meth:`TrainerGang.withdraw`),
+        not waited for, and the versions published past the run state's (:meth:`TrainerGang.withdraw`),
         so that a resumed run trains those iterations again from the same seeds with full records.
-        Returns the versions deleted."""
+        Kept: a version a generation in flight was submitted with (sequential runs submit the next
+        batch before the commit), and, when chunks sample the newest version (``discard``), every
+        one: an engine may hold it, and a re-trained version of the same number must not meet a
+        stale copy. A resumed run adopts those. Returns the versions deleted."""
         if not self.uncommitted():
             return []
         handles = list(self.steps.values())
         self.steps.clear()
-        return self.gang.withdraw(handles, self.store, self.committed)
+        read = [v for v in self.busy_versions() if v > self.committed]
+        return self.gang.withdraw(handles, self.store, max([self.committed, *read]), delete=not self.newest)
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
@@ -558,7 +563,7 @@ class _Driver:
         self.retries.release_before(it - self.depth - cfg.run.max_staleness)  # carried groups may still train
         self.state["version"] = version + 1 if rollout_batch else version
         if rollout_batch and cfg.run.eval_every and ((it + 1) % cfg.run.eval_every == 0):
-            self.evals.submit(it, self.state["version"])
+            self.eval_due = (it, self.state["version"])  # submitted once committed: no engine reads it before
         return Step(stats, bool(rollout_batch), t_train, t_train_end)
 
     def record(self, batch: Batch, step: Step) -> MetricsRecord:
@@ -589,6 +594,9 @@ class _Driver:
                                                    {j: (p.version, p.n) for j, p in self.pending.items()}))
         checkpoint.save_state(self.store, self.state)
         self.committed = self.state["version"]
+        if self.eval_due is not None:
+            self.evals.submit(*self.eval_due)
+            self.eval_due = None
         self.prune()
         for cb in self.callbacks:
             cb(rec)

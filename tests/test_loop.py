@@ -426,9 +426,9 @@ def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_
     taken = []
     real = gang.TrainerGang.withdraw
 
-    def spy(self, handles, st, committed, timeout=None):
+    def spy(self, handles, st, committed, delete=True, timeout=None):
         taken.append([h.iteration for h in handles])
-        out = real(self, handles, st, committed, timeout)
+        out = real(self, handles, st, committed, delete, timeout)
         taken.append(out)
         return out
 
@@ -479,6 +479,27 @@ def test_a_driver_failing_before_it_commits_takes_back_the_version_it_waited_for
     assert not [r for r in res.records if r.get("recovered")]
     assert all(r["reward_mean"] is not None for r in res.records)
     assert _chain(store) == [1, 2, 3]
+
+
+def test_a_version_is_evaluated_only_once_the_run_state_commits_it(tmp_path, client, monkeypatch):
+    """No engine reads a version the run has not committed (a stopping driver takes such versions
+    back, and an engine's copy of one must never outlive it): each evaluation goes out after the
+    run state names its version."""
+    from grpo_kit import evals
+
+    cfg = _cfg(tmp_path, iterations=3, world_size=1, eval_every=1)
+    store = AdapterStore(cfg.run.store_root)
+    seen, real = [], evals.Evaluations.submit
+
+    def spy(self, iteration, version):
+        seen.append((version, store.read_json("run")["version"] if version else None))
+        return real(self, iteration, version)
+
+    monkeypatch.setattr(evals.Evaluations, "submit", spy)
+    res = loop.run(cfg, client=client, progress=False)
+    assert [v for v, _ in seen] == [0, 1, 2, 3]
+    assert all(committed >= v for v, committed in seen if v)
+    assert [r.get("eval_version") for r in res.records if r.get("eval_version")]  # they were collected
 
 
 @pytest.mark.parametrize("dynamic,multi_turn", [(False, False), (True, False), (True, True)],
