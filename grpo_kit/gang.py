@@ -292,12 +292,13 @@ class TrainerGang:
         workers keep dying) is resubmitted by ``retries`` (:class:`grpo_kit.remote.TaskRetries`) and
         the step runs again on a re-formed gang, not counted as a restart: no rank failed. A step
         submitted to a gang that was re-formed since (after a failure of the step before) is
-        submitted again."""
+        submitted again, ``handle`` updated in place (so a stopping driver takes back that one)."""
         batch, version, iteration = handle.batch, handle.version, handle.iteration
         while True:
             if handle.gang_id != self.gang_id:  # queued behind a step that failed: that gang is gone
                 self.client.cancel(handle.futures)
-                handle = self.submit(batch, version, iteration)
+                again = self.submit(batch, version, iteration)  # in place: the driver's handle follows it
+                handle.futures, handle.gang_id = again.futures, again.gang_id
             futures = handle.futures
             results, error = results_of(futures, self.step_timeout_s, alive=self._alive)
             if error is None:

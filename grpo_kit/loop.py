@@ -532,8 +532,12 @@ class _Driver:
             return []
         handles = list(self.steps.values())
         self.steps.clear()
+        try:  # an interrupt may land after the run state is written, before ``committed`` follows it
+            saved = self.store.read_json(checkpoint.RUN_STATE)["version"]
+        except (OSError, ValueError, KeyError):
+            saved = self.committed
         read = [v for v in self.busy_versions() if v > self.committed]
-        return self.gang.withdraw(handles, self.store, max([self.committed, *read]), delete=not self.newest)
+        return self.gang.withdraw(handles, self.store, max([self.committed, saved, *read]), delete=not self.newest)
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then

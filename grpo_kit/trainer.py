@@ -220,6 +220,9 @@ class TrainerState:
             # saved before the adapter's manifest (train_rank), which names it: the pair commits together
             name = self.store.manifest(version).get("meta", {}).get("optimizer_state") or optimizer_state_name(version)
             self.optimizer.load_state_dict(self.store.load_state(name))
+        # states this process wrote for versions past this one were taken back (or will be trained
+        # again): they leave the ring of kept states, which must hold this version's
+        self.saved_states = [n for n in self.saved_states if state_version(n) <= version]
         self.version = version
 
 
@@ -236,6 +239,15 @@ def optimizer_state_name(version: int, attempt: str | None = None) -> str:
     step never overwrites the state of an attempt whose adapter was published (the manifest's
     ``meta["optimizer_state"]`` names the one that belongs to the version)."""
     return f"optimizer/v{version:06d}" + (f"-{attempt}" if attempt else "")
+
+
+def state_version(name: str) -> int:
+    """The version of an optimizer state's name (:func:`optimizer_state_name`).
+
+    >>> state_version("optimizer/v000012-1a2b3c4d"), state_version("optimizer/v000003")
+    (12, 3)
+    """
+    return int(name.rsplit("/v", 1)[1].split("-", 1)[0])
 
 
 _STATE: TrainerState | None = None

@@ -221,14 +221,12 @@ def test_steps_submitted_ahead_train_what_steps_submitted_in_turn_train(tmp_path
     assert all(r["train_s"] >= s["end"] - s["start"] for r, s in zip(ra.records, spans, strict=True))
 
 
-def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_path, client):
+def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_path, client, monkeypatch):
     """TrainerGang.withdraw, on stand-in steps that publish a version as a rank task does. The one a
     worker runs is waited for and its version deleted (adapter and optimizer state); the next one,
     whose batch is ready and which would start the moment the running one ends, is cancelled before
     the wait, and with it the one chained after it: neither ever publishes. The store ends at the
     committed version (0 here)."""
-    import threading
-
     from distributed import Event
 
     from grpo_kit.trainer import RankSpec
@@ -264,10 +262,17 @@ def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_pat
         while gang.task_states(client, [f1]) != ["processing"]:
             assert time.time() < deadline
             time.sleep(0.02)
-        threading.Timer(1.0, running.set).start()  # the running step ends only while withdraw waits
-        t0 = time.time()
+        waited = []
+        real_results_of = gang.results_of
+
+        def release_then_wait(futures, *a, **kw):  # the running step ends only once withdraw waits for it
+            waited.append([f.key for f in futures])
+            running.set()
+            return real_results_of(futures, *a, **kw)
+
+        monkeypatch.setattr(gang, "results_of", release_then_wait)
         assert g.withdraw(handles, store, committed=0) == [1]
-        assert time.time() - t0 >= 0.9  # it did wait for the running step
+        assert waited == [[f1.key]]  # it waited for the running step, and for no other
         assert store.versions() == []
         assert not list(Path(root, "state", "optimizer").glob("*.pt"))
         time.sleep(1.0)
