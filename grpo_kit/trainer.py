@@ -220,9 +220,9 @@ class TrainerState:
             # saved before the adapter's manifest (train_rank), which names it: the pair commits together
             name = self.store.manifest(version).get("meta", {}).get("optimizer_state") or optimizer_state_name(version)
             self.optimizer.load_state_dict(self.store.load_state(name))
-        # states this process wrote for versions past this one were taken back (or will be trained
-        # again): they leave the ring of kept states, which must hold this version's
-        self.saved_states = [n for n in self.saved_states if state_version(n) <= version]
+        # states this process wrote for versions a stopping driver took back (deleted from the store)
+        # leave the ring of kept states, which must make room for this version's successors first
+        self.saved_states = [n for n in self.saved_states if state_version(n) <= version or self.store.state_exists(n)]
         self.version = version
 
 

@@ -458,6 +458,9 @@ def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_
     assert not [r for r in res.records if r.get("recovered")]
     assert all(r["reward_mean"] is not None and r["rollout_version"] is not None for r in res.records)
     assert _chain(store) == [1, 2, 3, 4]
+    # rank 0's ring of three optimizer states let the taken-back v3's go when it reloaded v2: the last three stay
+    states = sorted(int(p.name[1:7]) for p in Path(cfg.run.store_root, "state", "optimizer").glob("*.pt"))
+    assert states == [2, 3, 4], states
 
 
 def test_a_driver_failing_before_it_commits_takes_back_the_version_it_waited_for(tmp_path, client, monkeypatch):
