@@ -268,10 +268,6 @@ class TrainerGang:
     def _alive(self) -> bool:
         return present(self.client, self.workers)
 
-    def step(self, batch: RolloutBatch, version: int, iteration: int, store: AdapterStore, retries=None) -> dict:
-        """Train on ``batch`` from ``version`` (:meth:`submit`, then :meth:`finish`)."""
-        return self.finish(self.submit(batch, version, iteration), store, retries)
-
     def submit(self, batch: RolloutBatch, version: int, iteration: int, after: StepHandle | None = None) -> StepHandle:
         """Submit the rank tasks of a step on ``batch`` from ``version``. ``after``: a step submitted to
         this gang before, not yet finished, that publishes ``version``; each rank task waits for the

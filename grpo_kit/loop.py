@@ -233,7 +233,7 @@ class _Driver:
     def __init__(self, cfg, client, store, gang, train_pool, heldout, state, metrics_path, samples_path, callbacks, records,
                  scorer, episodes=None):
         self.cfg, self.client, self.store, self.gang = cfg, client, store, gang
-        self.train_pool, self.heldout = train_pool, heldout
+        self.train_pool = train_pool
         self.state, self.metrics_path, self.samples_path = state, metrics_path, samples_path
         self.callbacks, self.records = callbacks, records
         self.pending: dict[int, _Pending] = {}
@@ -247,7 +247,6 @@ class _Driver:
         self.train_ahead = (cfg.run.train_ahead and self.depth > 0 and not s.dynamic_sampling
                             and cfg.run.staleness_policy == "pace")
         self.steps: dict[int, StepHandle] = {}
-        self.committed = state["version"]  # the version the run state in the store names
         self.eval_due: tuple[int, int] | None = None  # (iteration, version) to evaluate once committed
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.scorer = scorer
@@ -516,9 +515,18 @@ class _Driver:
         batch = RolloutBatch(pend.scored, None, self.cfg.sampling.group_size)
         self.steps[iteration] = self.gang.submit(batch, version, iteration, after=after)
 
+    def committed(self) -> int:
+        """The version the run state in the store names (read there: an interrupt may land after it is
+        written, before the driver goes on); if it cannot be read, the newest in the store (nothing
+        is taken back)."""
+        try:
+            return self.store.read_json(checkpoint.RUN_STATE)["version"]
+        except (OSError, ValueError, KeyError):
+            return max(self.store.versions(), default=0)
+
     def uncommitted(self) -> bool:
         """Whether steps were submitted and not waited for, or a version published and not committed."""
-        return bool(self.steps) or self.state["version"] > self.committed
+        return bool(self.steps) or self.state["version"] > self.committed()
 
     def withdraw_steps(self) -> list[int]:
         """Take back what the run did not commit (the driver stops): the training steps submitted and
@@ -532,12 +540,9 @@ class _Driver:
             return []
         handles = list(self.steps.values())
         self.steps.clear()
-        try:  # an interrupt may land after the run state is written, before ``committed`` follows it
-            saved = self.store.read_json(checkpoint.RUN_STATE)["version"]
-        except (OSError, ValueError, KeyError):
-            saved = self.committed
-        read = [v for v in self.busy_versions() if v > self.committed]
-        return self.gang.withdraw(handles, self.store, max([self.committed, saved, *read]), delete=not self.newest)
+        committed = self.committed()
+        read = [v for v in self.busy_versions() if v > committed]
+        return self.gang.withdraw(handles, self.store, max([committed, *read]), delete=not self.newest)
 
     def train(self, batch: Batch) -> Step:
         """One step of the trainer gang on ``batch`` (rank 0 publishes the next adapter version); then
@@ -597,7 +602,6 @@ class _Driver:
         self.state.update(checkpoint.resume_fields(self.groups_seen, self.carry_specs,
                                                    {j: (p.version, p.n) for j, p in self.pending.items()}))
         checkpoint.save_state(self.store, self.state)
-        self.committed = self.state["version"]
         if self.eval_due is not None:
             self.evals.submit(*self.eval_due)
             self.eval_due = None
