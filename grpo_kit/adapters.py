@@ -64,6 +64,11 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*"
 _CHUNK = 1 << 20
 
 
+def new_attempt() -> str:
+    """A fresh publish attempt's id (the folder its files go to; the manifest's ``attempt``)."""
+    return uuid.uuid4().hex[:16]
+
+
 class VersionNotFoundError(KeyError):
     """The version has no manifest in the store (never published, or a publish that did not finish)."""
 
@@ -164,17 +169,21 @@ class AdapterStore:
 
     # ---- publishing ------------------------------------------------------------------------------
 
-    def publish(self, peft_model, version: int, meta: dict | None = None, parent: int | None = None) -> str:
+    def publish(self, peft_model, version: int, meta: dict | None = None, parent: int | None = None,
+                attempt: str | None = None) -> str:
         """Save ``peft_model``'s active adapter (:func:`save_adapter`) as ``version``; returns its URL."""
         _check_version(version)
         if self.exists(version):  # fail before spending time on saving
             raise self._exists_error(version)
         with tempfile.TemporaryDirectory(prefix="grpo-adapter-") as tmp:
             save_adapter(peft_model, tmp)
-            return self.publish_dir(tmp, version, meta=meta, parent=parent)
+            return self.publish_dir(tmp, version, meta=meta, parent=parent, attempt=attempt)
 
-    def publish_dir(self, local_dir: str, version: int, meta: dict | None = None, parent: int | None = None) -> str:
+    def publish_dir(self, local_dir: str, version: int, meta: dict | None = None, parent: int | None = None,
+                    attempt: str | None = None) -> str:
         """Publish an adapter directory already saved with ``save_pretrained`` as ``version``; returns its URL.
+        ``attempt``: this attempt's id (16 lowercase hex digits, :func:`new_attempt`; a fresh one if
+        None), which the manifest records: a writer that passes its own knows it without reading back.
 
         Every top-level file is uploaded into this attempt's own folder, then the manifest naming
         them. Refuses a version that has a manifest. Of two writers racing on one version exactly
@@ -196,7 +205,9 @@ class AdapterStore:
             raise self._exists_error(version)
 
         vpath = self._version_path(version)
-        attempt = uuid.uuid4().hex[:16]
+        attempt = new_attempt() if attempt is None else attempt
+        if not _ATTEMPT.fullmatch(attempt):
+            raise ValueError(f"attempt {attempt!r}: 16 lowercase hex digits expected (adapters.new_attempt())")
         if self._local:
             self.fs.makedirs(f"{vpath}/{attempt}", exist_ok=True)
         files = {}
@@ -259,9 +270,13 @@ class AdapterStore:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
 
-    def manifest(self, version: int) -> dict:
-        """The manifest of ``version``; raises :class:`VersionNotFoundError` when it is not published."""
+    def manifest(self, version: int, fresh: bool = False) -> dict:
+        """The manifest of ``version``; raises :class:`VersionNotFoundError` when it is not published.
+        Manifests are cached per process (a version is immutable while it exists); ``fresh`` reads the
+        store again, for a version that may have been deleted and published anew since."""
         self._check_process()
+        if fresh:
+            self._manifests.pop(version, None)
         if version in self._manifests:
             return self._manifests[version]
         path = f"{self._version_path(version)}/{MANIFEST}"

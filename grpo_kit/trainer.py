@@ -11,7 +11,9 @@ costs a forward/backward, not a model load. :func:`train_rank` is the body of on
 - rank 0 publishes version ``v + 1`` (optimizer state, then the adapter) after the step and
   broadcasts the outcome (:func:`agree_on_outcome`): when an earlier attempt of the step had
   committed ``v + 1`` first, every rank adopts that version (adapter and optimizer state), and when
-  the publish raised, every rank fails the step. The other ranks therefore wait for rank 0's publish
+  the publish raised, every rank fails the step. Each publish records the manifest attempt of the
+  version it trained from (``meta["parent_attempt"]``), so a ``v + 1`` trained from a ``v`` that has
+  since been taken back and trained again is replaced, never adopted (:func:`publish_step`). The other ranks therefore wait for rank 0's publish
   (bounded by the collective timeout). The driver gets the all-reduced stats back, never tensors.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import threading
 import time
@@ -27,9 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from . import algorithms
-from .adapters import AdapterStore, VersionExistsError
+from .adapters import AdapterStore, VersionExistsError, new_attempt
 from .config import Config, LoRAConfig, LossConfig, ModelConfig, OptimConfig
+from .retention import delete_version
 from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -162,6 +168,8 @@ class TrainerState:
         self.init_lora = {k: v.detach().clone() for k, v in self.model.named_parameters() if v.requires_grad}
         self.optimizer = make_optimizer(self.model, spec.optim)
         self.version: int | None = 0
+        # (version, the store's publish attempt of it) where this process knows it: it loaded or published that version
+        self.attempt: tuple[int, str | None] | None = (0, None)
         self.saved_states: list[str] = []  # optimizer states this process published, oldest first
         self.gang_id: int | None = None
         self.ddp = None
@@ -209,6 +217,7 @@ class TrainerState:
         then the state is always reloaded."""
         if version == self.version:
             return
+        man: dict = {}
         if version == 0:
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
@@ -218,8 +227,10 @@ class TrainerState:
         else:
             load_adapter_weights(self.model, self.store.fetch(version))
             # saved before the adapter's manifest (train_rank), which names it: the pair commits together
-            name = self.store.manifest(version).get("meta", {}).get("optimizer_state") or optimizer_state_name(version)
+            man = self.store.manifest(version)
+            name = man.get("meta", {}).get("optimizer_state") or optimizer_state_name(version)
             self.optimizer.load_state_dict(self.store.load_state(name))
+        self.attempt = (version, man.get("attempt"))
         # states this process wrote for versions a stopping driver took back (deleted from the store)
         # leave the ring of kept states, which must make room for this version's successors first
         self.saved_states = [n for n in self.saved_states if state_version(n) <= version or self.store.state_exists(n)]
@@ -312,6 +323,52 @@ def agree_on_outcome(outcome: int, group, device: str) -> int:
     return int(flag.item())
 
 
+def publish_step(state: TrainerState, version: int, iteration: int, stats: dict) -> tuple[int, str | None, float]:
+    """Rank 0's publish of the step from ``version``: the optimizer state, then the adapter as
+    ``version + 1`` (its manifest, which names that state, is the commit point). Returns the outcome
+    and the state's name (None when adopted), and when the state was saved.
+
+    ``version + 1`` already in the store means one of two things, told apart by the parent attempt
+    each publish records (``meta["parent_attempt"]``, the manifest attempt of the version it trained
+    from): an earlier attempt of this very step committed it first (the driver saw that attempt fail
+    while its publish was still running): ADOPTED, every rank loads it; or a step that escaped a
+    stopping driver's take-back published it, trained from a ``version`` that was deleted and has been
+    trained anew since (a resumed run on the same workers, :meth:`TrainerGang.withdraw`): an orphan,
+    deleted here, and this step's update published in its place. A step whose own ``version`` is no
+    longer the store's (the escaped step, late) adopts a ``v + 1`` trained from the store's, and
+    fails rather than replace anything."""
+    known = state.attempt
+    # the attempt of the version trained from: known where this process loaded or published it (rank 0
+    # of the last step), else read from the store, which fails the step if that version is gone
+    parent = known[1] if known is not None and known[0] == version else (
+        state.store.manifest(version, fresh=True).get("attempt") if version else None)
+    attempt = new_attempt()
+    name = optimizer_state_name(version + 1, attempt)
+    state.store.save_state(name, state.optimizer.state_dict())
+    t_saved = time.time()
+    meta = {"iteration": iteration, "stats": stats, "optimizer_state": name, "parent_attempt": parent}
+    for orphan_deleted in (False, True):
+        try:
+            state.store.publish(state.model, version + 1, meta=meta, parent=version, attempt=attempt)
+            state.attempt = (version + 1, attempt)
+            return PUBLISHED, name, t_saved
+        except VersionExistsError:
+            there = state.store.manifest(version + 1, fresh=True).get("meta", {}).get("parent_attempt", parent)
+            now = state.store.manifest(version, fresh=True).get("attempt") if version else None
+            if there == now:  # trained from the version in the store (stores older than the key: adopt, as before)
+                state.store.delete_state(name)
+                return ADOPTED, None, t_saved
+            if parent != now or orphan_deleted:  # this step is the one trained from a version since replaced
+                state.store.delete_state(name)
+                raise RuntimeError(f"v{version} in the store is not the one this step trained from (it was taken back "
+                                   f"and trained again): v{version + 1} not published") from None
+            log.warning("v%d in the store was trained from a v%d that is no longer in the store (published by a step "
+                        "a stopping driver could not take back): deleted, and this step's v%d published instead",
+                        version + 1, version, version + 1)
+            delete_version(state.store, version + 1)
+    raise AssertionError("unreachable")
+
+
 def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
     """One rank's part of one training step (a Dask task). Returns stats and timings."""
     t0 = time.time()
@@ -345,19 +402,7 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
     outcome, error, name = PUBLISHED, None, None
     if spec.rank == 0:
         try:
-            # optimizer state first, under this attempt's own name; the adapter's manifest, which
-            # names that state, is the commit point of the step
-            name = optimizer_state_name(version + 1, os.urandom(4).hex())
-            state.store.save_state(name, state.optimizer.state_dict())
-            t_opt = time.time()
-            meta = {"iteration": iteration, "stats": stats, "optimizer_state": name}
-            try:
-                state.store.publish(state.model, version + 1, meta=meta, parent=version)
-            except VersionExistsError:
-                # an earlier attempt of this step (whose failure the driver saw while its publish
-                # was still running) committed v+1 first: every rank adopts that version below
-                state.store.delete_state(name)
-                outcome = ADOPTED
+            outcome, name, t_opt = publish_step(state, version, iteration, stats)
         except Exception as e:  # told to the other ranks first, so that none waits on rank 0
             outcome, error = FAILED, e
     if spec.world_size > 1:

@@ -17,6 +17,7 @@ from moto.server import ThreadedMotoServer
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from grpo_kit import adapters
 from grpo_kit.adapters import AdapterStore, ChecksumError, VersionExistsError, VersionNotFoundError
 
 BUCKET = "grpo-kit-test"
@@ -140,6 +141,24 @@ def test_overwrite_refused(store, adapter_dir):
     with pytest.raises(VersionExistsError):
         store.publish(tiny_peft(), 3)
     assert store.manifest(3)["meta"] == {"run": "a"}
+
+
+def test_a_publish_records_the_attempt_its_writer_chose_and_a_fresh_read_sees_a_replaced_version(store, adapter_dir):
+    """The trainer names its own attempt (so it knows the manifest's without reading it back), and
+    reads a version fresh where it may have been deleted and published anew since it was cached."""
+    with pytest.raises(ValueError, match="16 lowercase hex"):
+        store.publish_dir(adapter_dir, 1, attempt="not-an-attempt")
+    assert store.versions() == []
+    first = adapters.new_attempt()
+    store.publish_dir(adapter_dir, 1, attempt=first)
+    assert store.manifest(1)["attempt"] == first  # now cached in this process
+    other = AdapterStore(store.root, store.storage_options)
+    other.delete(1)
+    second = adapters.new_attempt()
+    other.publish_dir(adapter_dir, 1, attempt=second)
+    assert store.manifest(1)["attempt"] == first  # the cache: a version is immutable while it exists
+    assert store.manifest(1, fresh=True)["attempt"] == second
+    assert store.manifest(1)["attempt"] == second
 
 
 def test_racing_writers_one_manifest_wins(store, adapter_dir, monkeypatch):

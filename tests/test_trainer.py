@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from test_train_step import spawn_ranks  # pytest puts tests/ on sys.path
 from transformers import AutoTokenizer
 
-from grpo_kit import config, data, tiny, trainer
+from grpo_kit import config, data, retention, tiny, trainer
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.logprobs import token_logprobs
 from grpo_kit.rollout import HFEngine
@@ -111,6 +112,46 @@ def test_a_retried_step_adopts_the_version_an_earlier_attempt_published(tiny_pat
         trainer.train_rank(spec, make_samples(tiny_path), v, v)
     states = store.fs.find(f"{store.path}/state/optimizer")
     assert sorted(p.rsplit("/", 1)[1].split("-")[0] for p in states) == ["v000003", "v000004", "v000005"], states
+
+
+def test_a_version_trained_from_a_taken_back_parent_is_replaced_not_adopted(tiny_path, tmp_path):
+    """A step can escape a stopping driver's take-back (it starts between the scheduler's answer and
+    the cancel) and publish v2 from a v1 the driver deleted. A run resumed on the same workers trains
+    v1 again; its step from that v1 used to meet the orphan v2 and adopt it (weights trained from a v1
+    the run no longer has). Now the orphan is deleted and the step's own update published; a late
+    escaped step that meets the new v2 adopts it and deletes nothing."""
+    spec = make_spec(tiny_path, str(tmp_path / "store"), lr=1e-2)
+    store = AdapterStore(spec.store_root)
+    trainer.train_rank(spec, make_samples(tiny_path), 0, 0)
+    old_v1 = store.manifest(1)["attempt"]
+    retention.delete_version(store, 1)  # the driver took v1 back; the step from v1 had already started
+    escaped = trainer.train_rank(spec, make_samples(tiny_path), 1, 1)
+    orphan = store.manifest(2, fresh=True)
+    assert not escaped["adopted"] and orphan["meta"]["parent_attempt"] == old_v1 and store.versions() == [2]
+
+    # the resumed run, on the same worker: iteration 0 again, then the step from the new v1
+    trainer.train_rank(spec, make_samples(tiny_path, flip=True), 0, 0)
+    new_v1 = store.manifest(1, fresh=True)["attempt"]
+    assert new_v1 != old_v1
+    res = trainer.train_rank(spec, make_samples(tiny_path), 1, 1)
+    v2 = store.manifest(2, fresh=True)
+    assert not res["adopted"] and v2["attempt"] != orphan["attempt"] and v2["meta"]["parent_attempt"] == new_v1
+    assert not store.state_exists(orphan["meta"]["optimizer_state"]) and store.state_exists(v2["meta"]["optimizer_state"])
+    state = trainer.get_state(spec)
+    fetched = load_file(str(Path(store.fetch(2)) / "adapter_model.safetensors"))
+    mine = {k: v for k, v in state.model.named_parameters() if v.requires_grad}
+    assert len(fetched) == len(mine) and all(torch.equal(fetched[k], mine[_param_name(k, mine)]) for k in fetched)
+
+    # an escaped step that publishes only now (its process still holds the old v1) meets the new v2
+    state.version, state.attempt = 1, (1, old_v1)
+    late = trainer.train_rank(spec, make_samples(tiny_path), 1, 1)
+    assert late["adopted"] and store.manifest(2, fresh=True)["attempt"] == v2["attempt"] and store.versions() == [1, 2]
+
+
+def _param_name(saved: str, params: dict) -> str:
+    """The live parameter a saved adapter tensor belongs to (PEFT drops the adapter name on save)."""
+    (name,) = [k for k in params if k.replace(".default", "") == saved]
+    return name
 
 
 def test_the_step_scores_the_tempered_distribution_the_engine_sampled(tiny_path, tmp_path):
