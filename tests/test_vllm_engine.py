@@ -404,3 +404,29 @@ def test_turn_batch_joins_the_running_batch_and_samples_what_sample_ids_does(eng
     assert not engine.llm.llm_engine.has_unfinished_requests()
     again = engine.sample_ids(prompts[:2], seeds=range(2), version=1, max_new_tokens=[MAX_NEW] * 2)
     assert [c.ids for c in again] == [c.ids for c in ref[:2]]
+
+
+def test_quieted_silences_a_logger_and_its_children_and_restores_their_levels():
+    """The merged reload runs under quieted("vllm") once per training step: it raises only the
+    children with a level of their own below the bound (the rest follow the parent), and every
+    level is back afterwards."""
+    import logging
+
+    from grpo_kit.vllm_engine import quieted
+
+    root, follows, own_low, own_high = (logging.getLogger(n) for n in
+                                        ("qtest", "qtest.follows.deep", "qtest.own_low", "qtest.own_high"))
+    root.setLevel(logging.INFO)
+    own_low.setLevel(logging.DEBUG)
+    own_high.setLevel(logging.ERROR)
+    try:
+        with quieted("qtest"):
+            assert [lg.isEnabledFor(logging.INFO) for lg in (root, follows, own_low)] == [False, False, False]
+            assert all(lg.isEnabledFor(logging.WARNING) for lg in (root, follows, own_low))
+            assert not own_high.isEnabledFor(logging.WARNING)  # never lowered
+        assert (root.level, follows.level, own_low.level, own_high.level) == (logging.INFO, logging.NOTSET,
+                                                                               logging.DEBUG, logging.ERROR)
+        assert follows.isEnabledFor(logging.INFO) and own_low.isEnabledFor(logging.DEBUG)
+    finally:
+        for lg in (root, own_low, own_high):
+            lg.setLevel(logging.NOTSET)
