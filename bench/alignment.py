@@ -33,8 +33,8 @@ import time
 
 from grpo_kit import data, models
 from grpo_kit.adapters import AdapterStore
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.prompts import PromptFormat
-from grpo_kit.rollout import HFEngine
 from grpo_kit.testing import dlogp, perturbed_adapter, policy, ratio_stats
 
 CHAT_TURN_STOP = (".",)

@@ -26,7 +26,8 @@ import time
 
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore
-from grpo_kit.rollout import HFEngine, group_seed
+from grpo_kit.hf_engine import HFEngine
+from grpo_kit.rollout import group_seed
 from grpo_kit.testing import perturbed_adapter
 
 

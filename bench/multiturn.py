@@ -43,9 +43,9 @@ def play(model_path: str, cfg, n: int, *, temperature: float, samples: int = 1, 
     accuracy (strict, the task's first reward), tool-call rate, and the accuracy of the episodes that
     called the tool (how reliably the model copies the tool's answer)."""
     from grpo_kit.episode import EpisodePlan, to_rollout
+    from grpo_kit.hf_engine import HFEngine
     from grpo_kit.prompts import prompt_format
     from grpo_kit.renderers import for_engine
-    from grpo_kit.rollout import HFEngine
 
     task = tasks.for_config(cfg)
     probs = task.load("heldout", n, 0)

@@ -43,8 +43,8 @@ from grpo_kit import data, models
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.config import EpisodeConfig
 from grpo_kit.episode import EpisodeRunner, turn_seed
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.renderers import for_engine
-from grpo_kit.rollout import HFEngine
 from grpo_kit.testing import CallEveryTurn, Notes, perturbed_adapter
 
 

@@ -35,10 +35,10 @@ from types import SimpleNamespace
 import torch
 
 from grpo_kit import config, data, models
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.logprobs import shared_prompt_logprobs, token_logprobs
 from grpo_kit.packing import packed_logprobs
 from grpo_kit.prompts import prompt_format
-from grpo_kit.rollout import HFEngine
 from grpo_kit.train_step import collate, grpo_step, make_optimizer
 from grpo_kit.trainer import build_policy
 

@@ -264,8 +264,8 @@ def prompt_fmt(cfg: config.Config):
 def hf_evaluator(cfg: config.Config, store):
     """The evaluator of both sides: the kit's transformers engine on ``store``'s adapters, with the
     run's prompt format and stop strings."""
+    from grpo_kit.hf_engine import HFEngine
     from grpo_kit.models import resolve_model
-    from grpo_kit.rollout import HFEngine
 
     return HFEngine(resolve_model(cfg.model.model), store=store, **HFEngine.options(cfg, prompt_fmt(cfg)))
 

@@ -58,7 +58,7 @@ DEFAULT_TURN_TOKENS = 64
 
 
 class TurnEngine(Protocol):
-    """What the runner needs from an engine: continue token-id prompts (:meth:`HFEngine.sample_ids`;
+    """What the runner needs from an engine: continue token-id prompts (:meth:`grpo_kit.hf_engine.HFEngine.sample_ids`;
     vLLM: a ``TokensPrompt`` per row with ``SamplingParams(seed=...)``). An engine may also offer
     ``turn_batch(version=, temperature=, stop=)``, a context manager giving a :class:`TurnBatch` with
     continuous batching (:func:`turn_batch`)."""

@@ -84,12 +84,12 @@ class RunSource:
         return version
 
     def engine(self, **kw):
-        """A transformers engine (:class:`grpo_kit.rollout.HFEngine`) on the base model and this store,
+        """A transformers engine (:class:`grpo_kit.hf_engine.HFEngine`) on the base model and this store,
         with the run's dtype, prompt format (the task's instruction) and stop strings: ``generate`` or
         ``greedy`` with any ``version`` samples that version's policy. ``kw`` override those options."""
         from .config import Config
+        from .hf_engine import HFEngine
         from .prompts import prompt_format
-        from .rollout import HFEngine
 
         cfg = Config.from_dict({k: v for k, v in self.config.items() if k != "task"})
         instruction = (self.config.get("task") or {}).get("instruction")

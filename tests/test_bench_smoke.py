@@ -265,7 +265,7 @@ def test_alignment_multi_turn_mode_compares_the_model_tokens_of_whole_episodes(c
 def test_multiturn_throughput_measures_both_sides_on_one_engine():
     from grpo_kit import tiny
     from grpo_kit.config import EpisodeConfig
-    from grpo_kit.rollout import HFEngine
+    from grpo_kit.hf_engine import HFEngine
 
     mt = load_bench("multiturn_throughput")
     engine = HFEngine(str(tiny.ensure_tiny_model()), max_model_len=512)

@@ -78,7 +78,7 @@ def test_bf16_loss_path_upcasts_and_trains():
 def test_hf_engine_on_cuda_is_aligned():
     from transformers import AutoModelForCausalLM
 
-    from grpo_kit.rollout import HFEngine
+    from grpo_kit.hf_engine import HFEngine
 
     path = str(tiny.ensure_tiny_model())
     eng = HFEngine(path, device="cuda")

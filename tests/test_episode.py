@@ -14,10 +14,11 @@ import torch
 
 from grpo_kit import data, models, tiny
 from grpo_kit.episode import Episode, EpisodeConfig, EpisodeRunner, counts, episode_seed, to_rollout
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.logprobs import token_logprobs
 from grpo_kit.prompts import PromptFormat
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
-from grpo_kit.rollout import Continuation, HFEngine
+from grpo_kit.rollout import Continuation
 from grpo_kit.testing import CallEveryTurn, Notes, assert_aligned, policy
 
 

@@ -272,8 +272,8 @@ def test_a_batch_sampled_from_the_base_while_claiming_version_1_is_flagged(tiny_
     flags the base-sampled batch, claimed as version 1, and not the honest one."""
     from grpo_kit import data
     from grpo_kit.config import LossConfig, OptimConfig
+    from grpo_kit.hf_engine import HFEngine
     from grpo_kit.metrics import wrong_policy
-    from grpo_kit.rollout import HFEngine
     from grpo_kit.train_step import collate, grpo_step
 
     path, store, model = tiny_v1

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from grpo_kit import config, data, loop, models, tasks
 from grpo_kit.adapters import AdapterStore
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.prompts import PromptFormat, prompt_format
-from grpo_kit.rollout import HFEngine
 from grpo_kit.testing import LLAMA_TARGETS, assert_aligned, dlogp, perturbed_adapter, policy
 
 

@@ -144,7 +144,7 @@ def test_sampled_eval_plays_k_episodes_per_problem_for_a_multi_turn_task():
 
     from grpo_kit import data, testing, tiny
     from grpo_kit.episode import EpisodePlan
-    from grpo_kit.rollout import HFEngine
+    from grpo_kit.hf_engine import HFEngine
     from grpo_kit.tasks import Scorer
 
     task = testing.notes_task()

@@ -16,7 +16,8 @@ import torch
 
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
-from grpo_kit.rollout import TOKEN_FIELDS, Engine, HFEngine, Rollout, RolloutSummary, group_seed
+from grpo_kit.hf_engine import HFEngine
+from grpo_kit.rollout import TOKEN_FIELDS, Engine, Rollout, RolloutSummary, group_seed
 from grpo_kit.testing import assert_aligned, dlogp, perturbed_adapter, policy
 
 MAX_NEW = 48

@@ -246,9 +246,9 @@ def test_tool_model_calls_its_tool_sometimes_and_copies_the_answer(tools_path):
     end in the tool's number; greedy, it guesses (the base accuracy GRPO starts from)."""
     from grpo_kit import config, tasks
     from grpo_kit.episode import EpisodePlan, to_rollout
+    from grpo_kit.hf_engine import HFEngine
     from grpo_kit.prompts import prompt_format
     from grpo_kit.renderers import for_engine
-    from grpo_kit.rollout import HFEngine
 
     cfg = config.profile("tiny-tools")
     task = tasks.for_config(cfg)

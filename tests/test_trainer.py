@@ -19,8 +19,8 @@ from transformers import AutoTokenizer
 
 from grpo_kit import config, data, retention, tiny, trainer
 from grpo_kit.adapters import AdapterStore
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.logprobs import token_logprobs
-from grpo_kit.rollout import HFEngine
 from grpo_kit.train_step import collate
 
 

@@ -18,7 +18,7 @@ import torch
 
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore, VersionNotFoundError
-from grpo_kit.rollout import HFEngine
+from grpo_kit.hf_engine import HFEngine
 from grpo_kit.vllm_engine import import_vllm
 
 pytest.importorskip("vllm")
