@@ -276,7 +276,17 @@ class AdapterStore:
         store again, for a version that may have been deleted and published anew since."""
         self._check_process()
         if fresh:
-            self._manifests.pop(version, None)
+            before = self._manifests.pop(version, None)
+            try:
+                man = self.manifest(version)
+            except VersionNotFoundError:
+                man = None
+            if before is not None and (man is None or man.get("attempt") != before.get("attempt")):
+                with self._lock:  # gone, or deleted and published anew: the next fetch checks its copy again
+                    self._fetched.pop(version, None)
+            if man is None:
+                raise self._not_found(version)
+            return man
         if version in self._manifests:
             return self._manifests[version]
         path = f"{self._version_path(version)}/{MANIFEST}"
@@ -289,6 +299,25 @@ class AdapterStore:
             raise ValueError(f"manifest of adapter version {version} names version {man.get('version')}")
         self._manifests[version] = man
         return man
+
+    def attempt(self, version: int) -> str | None:
+        """The publish attempt of ``version`` as the store holds it now (read fresh; None for version 0,
+        the base model, and for stores older than attempts). Raises :class:`VersionNotFoundError`."""
+        return self.manifest(version, fresh=True).get("attempt") if version else None
+
+    def descends(self, version: int) -> bool:
+        """Whether ``version`` was trained from the ``version - 1`` the store holds now: its manifest's
+        ``meta["parent_attempt"]`` (written by :func:`grpo_kit.trainer.publish_step`) names that
+        version's attempt. False when ``version - 1`` is gone, or was taken back and published anew
+        since (``version`` is then an orphan, trained from weights the run no longer has); True for
+        versions published without the key (older stores). Both manifests are read fresh."""
+        meta = self.manifest(version, fresh=True).get("meta", {})
+        if "parent_attempt" not in meta:
+            return True
+        try:
+            return meta["parent_attempt"] == self.attempt(version - 1)
+        except VersionNotFoundError:
+            return False
 
     def _not_found(self, version: int) -> VersionNotFoundError:
         vs = self.versions()

@@ -106,9 +106,10 @@ def reconcile(state: dict, store: AdapterStore) -> dict:
     that died in between), along the unbroken chain of versions above the state's. A version past a
     gap in that chain (its parent was taken back by a stopping driver, :meth:`TrainerGang.withdraw`,
     while a step that had just started published it) was trained from weights the run no longer
-    has: it is deleted, and its iteration trained again."""
+    has: it is deleted, and its iteration trained again. So is a version trained from another attempt
+    of the version below it (:meth:`AdapterStore.descends`: that one was taken back and trained anew)."""
     v = state["version"] + 1
-    while store.exists(v):
+    while store.exists(v) and store.descends(v):
         meta = store.manifest(v).get("meta", {})
         # the folded-in step consumed the carry the state names, and its own carry was never written
         state = {**state, "version": v, "next_iteration": max(state["next_iteration"], meta.get("iteration", -1) + 1),

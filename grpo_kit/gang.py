@@ -307,9 +307,10 @@ class TrainerGang:
                 log.warning("a scored chunk of iteration %d was lost with its workers; resubmitted, re-forming", iteration)
                 self.reset()
                 continue
-            if store.exists(version + 1):
+            if store.exists(version + 1) and store.descends(version + 1):
                 # Rank 0 published before the failure surfaced (or the step's result was lost with a
-                # worker after it): the step is done, the gang is not; re-formed within max_restarts
+                # worker after it): the step is done, the gang is not; re-formed within max_restarts.
+                # (A version trained from another attempt of `version` is an orphan the retry replaces.)
                 self.recover(error, f"iteration {iteration}, after publishing v{version + 1}")
                 meta = store.manifest(version + 1).get("meta", {})
                 return {**meta.get("stats", {}), "recovered": True}

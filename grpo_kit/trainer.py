@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import algorithms
-from .adapters import AdapterStore, VersionExistsError, new_attempt
+from .adapters import AdapterStore, VersionExistsError, VersionNotFoundError, new_attempt
 from .config import Config, LoRAConfig, LossConfig, ModelConfig, OptimConfig
 from .retention import delete_version
 from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
@@ -218,6 +218,7 @@ class TrainerState:
         if version == self.version:
             return
         man: dict = {}
+        self.version = self.attempt = None  # until loaded: a failure below leaves the weights unknown
         if version == 0:
             with torch.no_grad():
                 for name, p in self.model.named_parameters():
@@ -225,9 +226,11 @@ class TrainerState:
                         p.copy_(self.init_lora[name])
             self.optimizer.state.clear()
         else:
+            # saved before the adapter's manifest (train_rank), which names it: the pair commits together;
+            # read fresh: the version may have been taken back and trained anew since this process
+            # cached it (the fetched copy is then checked against the new manifest)
+            man = self.store.manifest(version, fresh=True)
             load_adapter_weights(self.model, self.store.fetch(version))
-            # saved before the adapter's manifest (train_rank), which names it: the pair commits together
-            man = self.store.manifest(version)
             name = man.get("meta", {}).get("optimizer_state") or optimizer_state_name(version)
             self.optimizer.load_state_dict(self.store.load_state(name))
         self.attempt = (version, man.get("attempt"))
@@ -325,47 +328,57 @@ def agree_on_outcome(outcome: int, group, device: str) -> int:
 
 def publish_step(state: TrainerState, version: int, iteration: int, stats: dict) -> tuple[int, str | None, float]:
     """Rank 0's publish of the step from ``version``: the optimizer state, then the adapter as
-    ``version + 1`` (its manifest, which names that state, is the commit point). Returns the outcome
-    and the state's name (None when adopted), and when the state was saved.
+    ``version + 1`` (its manifest, which names that state, is the commit point). Returns the outcome,
+    the state's name (None when adopted) and when the state was saved.
 
-    ``version + 1`` already in the store means one of two things, told apart by the parent attempt
-    each publish records (``meta["parent_attempt"]``, the manifest attempt of the version it trained
-    from): an earlier attempt of this very step committed it first (the driver saw that attempt fail
-    while its publish was still running): ADOPTED, every rank loads it; or a step that escaped a
-    stopping driver's take-back published it, trained from a ``version`` that was deleted and has been
-    trained anew since (a resumed run on the same workers, :meth:`TrainerGang.withdraw`): an orphan,
-    deleted here, and this step's update published in its place. A step whose own ``version`` is no
-    longer the store's (the escaped step, late) adopts a ``v + 1`` trained from the store's, and
-    fails rather than replace anything."""
+    Each publish records the manifest attempt of the version it trained from (``meta["parent_attempt"]``,
+    :meth:`AdapterStore.descends`), which tells apart what a ``version + 1`` already in the store is:
+
+    - the step first checks that the ``version`` it trained from is the store's now. A step that
+      escaped a stopping driver's take-back (:meth:`TrainerGang.withdraw`) trained from a version since
+      deleted, or deleted and trained anew by a resumed run: it fails here and publishes nothing;
+    - a ``version + 1`` trained from the same ``version``: an earlier attempt of this very step
+      committed it first (the driver saw that attempt fail while its publish was still running):
+      ADOPTED, every rank loads it;
+    - one trained from another attempt of ``version``: an orphan (an escaped step that published
+      before the check above could stop it). It is deleted, and this step's update published."""
     known = state.attempt
-    # the attempt of the version trained from: known where this process loaded or published it (rank 0
-    # of the last step), else read from the store, which fails the step if that version is gone
-    parent = known[1] if known is not None and known[0] == version else (
-        state.store.manifest(version, fresh=True).get("attempt") if version else None)
+    now = state.store.attempt(version)  # VersionNotFoundError: the version trained from is gone
+    parent = known[1] if known is not None and known[0] == version else now
+    if parent != now:
+        raise RuntimeError(f"v{version} was taken back and trained again since this step loaded it: "
+                           f"v{version + 1} not published")
     attempt = new_attempt()
     name = optimizer_state_name(version + 1, attempt)
     state.store.save_state(name, state.optimizer.state_dict())
     t_saved = time.time()
     meta = {"iteration": iteration, "stats": stats, "optimizer_state": name, "parent_attempt": parent}
-    for orphan_deleted in (False, True):
-        try:
-            state.store.publish(state.model, version + 1, meta=meta, parent=version, attempt=attempt)
-            state.attempt = (version + 1, attempt)
-            return PUBLISHED, name, t_saved
-        except VersionExistsError:
-            there = state.store.manifest(version + 1, fresh=True).get("meta", {}).get("parent_attempt", parent)
-            now = state.store.manifest(version, fresh=True).get("attempt") if version else None
-            if there == now:  # trained from the version in the store (stores older than the key: adopt, as before)
-                state.store.delete_state(name)
-                return ADOPTED, None, t_saved
-            if parent != now or orphan_deleted:  # this step is the one trained from a version since replaced
-                state.store.delete_state(name)
-                raise RuntimeError(f"v{version} in the store is not the one this step trained from (it was taken back "
-                                   f"and trained again): v{version + 1} not published") from None
-            log.warning("v%d in the store was trained from a v%d that is no longer in the store (published by a step "
-                        "a stopping driver could not take back): deleted, and this step's v%d published instead",
-                        version + 1, version, version + 1)
-            delete_version(state.store, version + 1)
+    try:
+        for replaced in (False, True):
+            try:
+                state.store.publish(state.model, version + 1, meta=meta, parent=version, attempt=attempt)
+                state.attempt = (version + 1, attempt)
+                return PUBLISHED, name, t_saved
+            except VersionExistsError:
+                if replaced:
+                    raise
+                there = state.store.manifest(version + 1, fresh=True)
+                if there.get("meta", {}).get("parent_attempt", parent) == parent:  # older stores: adopt, as before
+                    state.store.delete_state(name)
+                    return ADOPTED, None, t_saved
+                log.warning("v%d in the store was trained from a v%d that is no longer in the store (published by a "
+                            "step a stopping driver could not take back): deleted, and this step's v%d published "
+                            "instead", version + 1, version, version + 1)
+                try:
+                    if state.store.attempt(version + 1) == there.get("attempt"):  # still the orphan read above
+                        delete_version(state.store, version + 1)
+                except VersionNotFoundError:  # already deleted
+                    pass
+                orphan_state = there.get("meta", {}).get("optimizer_state")
+                state.saved_states = [n for n in state.saved_states if n != orphan_state]
+    except BaseException:
+        state.store.delete_state(name)  # never committed: no manifest names it
+        raise
     raise AssertionError("unreachable")
 
 

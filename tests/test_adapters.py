@@ -15,6 +15,7 @@ import pytest
 import torch
 from moto.server import ThreadedMotoServer
 from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from grpo_kit import adapters
@@ -152,13 +153,22 @@ def test_a_publish_records_the_attempt_its_writer_chose_and_a_fresh_read_sees_a_
     first = adapters.new_attempt()
     store.publish_dir(adapter_dir, 1, attempt=first)
     assert store.manifest(1)["attempt"] == first  # now cached in this process
+    old_copy = load_file(os.path.join(store.fetch(1), "adapter_model.safetensors"))
     other = AdapterStore(store.root, store.storage_options)
     other.delete(1)
     second = adapters.new_attempt()
-    other.publish_dir(adapter_dir, 1, attempt=second)
+    other.publish(tiny_peft(seed=2), 1, attempt=second)
     assert store.manifest(1)["attempt"] == first  # the cache: a version is immutable while it exists
-    assert store.manifest(1, fresh=True)["attempt"] == second
+    assert store.attempt(1) == second == store.manifest(1, fresh=True)["attempt"]
     assert store.manifest(1)["attempt"] == second
+    # and the copy fetched for the first attempt is checked again, and replaced
+    new_copy = load_file(os.path.join(store.fetch(1), "adapter_model.safetensors"))
+    assert new_copy.keys() == old_copy.keys() and any(not torch.equal(new_copy[k], old_copy[k]) for k in new_copy)
+    other.delete(1)
+    with pytest.raises(VersionNotFoundError):
+        store.manifest(1, fresh=True)
+    with pytest.raises(VersionNotFoundError):  # a deleted version's copy is forgotten too
+        store.fetch(1)
 
 
 def test_racing_writers_one_manifest_wins(store, adapter_dir, monkeypatch):

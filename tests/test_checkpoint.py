@@ -8,12 +8,12 @@ from grpo_kit import checkpoint
 from grpo_kit.adapters import AdapterStore
 
 
-def _publish(store: AdapterStore, tmp_path, version: int, iteration: int) -> None:
-    d = tmp_path / f"src{version}"
+def _publish(store: AdapterStore, tmp_path, version: int, iteration: int, **meta) -> None:
+    d = tmp_path / f"src{version}-{len(list(tmp_path.iterdir()))}"
     d.mkdir()
     (d / "adapter_config.json").write_text(json.dumps({"r": 1}))
     (d / "adapter_model.safetensors").write_bytes(b"x" * 10)
-    store.publish_dir(str(d), version, meta={"iteration": iteration}, parent=version - 1)
+    store.publish_dir(str(d), version, meta={"iteration": iteration, **meta}, parent=version - 1)
 
 
 def test_run_state_keeps_dynamic_sampling_and_the_batches_in_flight(tmp_path):
@@ -64,3 +64,27 @@ def test_reconcile_folds_in_the_unbroken_chain_and_deletes_a_version_past_a_gap(
     out = checkpoint.reconcile(state, store)
     assert (out["version"], out["next_iteration"]) == (4, 4)
     assert store.versions() == [1, 2, 3, 4]
+
+
+def test_reconcile_stops_at_a_version_trained_from_a_parent_since_trained_anew(tmp_path):
+    """A resumed run trained v3 again (the first v3 was taken back), then died before its run state;
+    v4 in the store was published by a step that escaped the take-back, trained from the first v3.
+    The chain above the state folds in the new v3 and stops there: v4 is deleted, as past a gap."""
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in (1, 2):
+        _publish(store, tmp_path, v, v - 1, parent_attempt=store.attempt(v - 1))
+    _publish(store, tmp_path, 3, 2, parent_attempt=store.attempt(2))
+    first_v3 = store.attempt(3)
+    _publish(store, tmp_path, 4, 3, parent_attempt=first_v3)
+    store.delete(3)
+    _publish(store, tmp_path, 3, 2, parent_attempt=store.attempt(2))
+    assert store.descends(3) and not store.descends(4) and store.descends(2)
+    state = {**checkpoint.fresh_state("abc"), "next_iteration": 2, "version": 2}
+    out = checkpoint.reconcile(state, store)
+    assert (out["version"], out["next_iteration"]) == (3, 3)
+    assert store.versions() == [1, 2, 3]
+    store.delete(2)
+    assert not store.descends(3)  # its parent is gone
+    _publish(store, tmp_path, 5, 4)  # a version published before parent attempts were recorded
+    assert store.descends(5)
+
