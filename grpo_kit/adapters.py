@@ -229,6 +229,9 @@ class AdapterStore:
             self._write_bytes(f"{vpath}/{MANIFEST}", _json_bytes(manifest), exclusive=True)
         except FileExistsError:  # another writer finished the same version first: ours are leftovers
             self.fs.invalidate_cache(vpath)
+            there = self._read_manifest(version)
+            if there is not None and there.get("attempt") == attempt:  # ours landed (a PUT retried after it did)
+                return self.version_url(version)
             try:
                 self.fs.rm(f"{vpath}/{attempt}", recursive=True)
             except OSError:  # best effort: delete() removes whatever is left with the version
@@ -273,45 +276,70 @@ class AdapterStore:
     def manifest(self, version: int, fresh: bool = False) -> dict:
         """The manifest of ``version``; raises :class:`VersionNotFoundError` when it is not published.
         Manifests are cached per process (a version is immutable while it exists); ``fresh`` reads the
-        store again, for a version that may have been deleted and published anew since."""
+        store again, for a version that may have been deleted and published anew since, and when it
+        was (or is gone) this process forgets its cached manifest and fetched copy of it."""
         self._check_process()
         if fresh:
-            before = self._manifests.pop(version, None)
-            try:
-                man = self.manifest(version)
-            except VersionNotFoundError:
-                man = None
-            if before is not None and (man is None or man.get("attempt") != before.get("attempt")):
-                with self._lock:  # gone, or deleted and published anew: the next fetch checks its copy again
-                    self._fetched.pop(version, None)
-            if man is None:
-                raise self._not_found(version)
-            return man
+            with self._version_lock(version):  # not while a fetch of this version reads its manifest
+                before = self._manifests.pop(version, None)
+                man = self._read_manifest(version)
+                if man is None or (before is not None and before.get("attempt") != man.get("attempt")):
+                    self._forget(version)
+                if man is None:  # no listing here: callers on the hot path ask about a version that may be gone
+                    raise VersionNotFoundError(f"adapter version {version} not found in {self.root}")
+                self._manifests[version] = man
+                return man
         if version in self._manifests:
             return self._manifests[version]
+        man = self._read_manifest(version)
+        if man is None:
+            raise self._not_found(version)
+        self._manifests[version] = man
+        return man
+
+    def _read_manifest(self, version: int) -> dict | None:
         path = f"{self._version_path(version)}/{MANIFEST}"
         self.fs.invalidate_cache(path)  # s3fs sizes files from cached listings, which may predate the manifest
         try:
             man = json.loads(self.fs.cat_file(path))
         except FileNotFoundError:
-            raise self._not_found(version) from None
+            return None
         if man.get("version") != version:
             raise ValueError(f"manifest of adapter version {version} names version {man.get('version')}")
-        self._manifests[version] = man
         return man
+
+    def _version_lock(self, version: int) -> threading.Lock:
+        with self._lock:
+            return self._version_locks.setdefault(version, threading.Lock())
+
+    def _forget(self, version: int) -> None:
+        """Drop this process's cached manifest and fetched copy of ``version`` (deleted, or published
+        anew), giving up its hold on the copy (removed unless another holder has it). The caller
+        holds the version's lock."""
+        with self._lock:
+            self._manifests.pop(version, None)
+            self._fetched.pop(version, None)
+            fd = self._held.pop(version, None)
+        if fd is not None:
+            _remove_unless_held(os.path.join(self._cache_root(), f"v{version:06d}"), fd)
 
     def attempt(self, version: int) -> str | None:
         """The publish attempt of ``version`` as the store holds it now (read fresh; None for version 0,
-        the base model, and for stores older than attempts). Raises :class:`VersionNotFoundError`."""
+        the base model, and for stores older than attempts). Raises :class:`VersionNotFoundError`
+        (without listing the store)."""
         return self.manifest(version, fresh=True).get("attempt") if version else None
 
     def descends(self, version: int) -> bool:
         """Whether ``version`` was trained from the ``version - 1`` the store holds now: its manifest's
-        ``meta["parent_attempt"]`` (written by :func:`grpo_kit.trainer.publish_step`) names that
+        ``meta["parent_attempt"]`` (written by :func:`grpo_kit.publish.publish_step`) names that
         version's attempt. False when ``version - 1`` is gone, or was taken back and published anew
         since (``version`` is then an orphan, trained from weights the run no longer has); True for
-        versions published without the key (older stores). Both manifests are read fresh."""
-        meta = self.manifest(version, fresh=True).get("meta", {})
+        versions published without the key (older stores); False when ``version`` itself is gone. Both
+        manifests are read fresh."""
+        try:
+            meta = self.manifest(version, fresh=True).get("meta", {})
+        except VersionNotFoundError:  # deleted meanwhile (an orphan another step replaced)
+            return False
         if "parent_attempt" not in meta:
             return True
         try:
@@ -329,13 +357,15 @@ class AdapterStore:
         """Remove a published ``version`` (retention: :mod:`grpo_kit.retention`): the manifest first,
         so the version stops existing before any of its files go, then its whole folder (every
         attempt's files, a losing or crashed attempt's leftovers too). A missing version is a no-op.
-        Copies other processes fetched stay in their caches until evicted."""
+        This process forgets its copy; copies other processes fetched stay in their caches until
+        evicted, or until a fresh read of the manifest there finds the version gone or replaced."""
         vpath = self._version_path(version)
         man = f"{vpath}/{MANIFEST}"
         self.fs.invalidate_cache(vpath)
         if self.fs.exists(man):
             self.fs.rm_file(man)
-        self._manifests.pop(version, None)
+        with self._version_lock(version):
+            self._forget(version)
         try:
             self.fs.rm(vpath, recursive=True)
         except FileNotFoundError:
@@ -353,9 +383,7 @@ class AdapterStore:
         """
         self._check_process()
         _check_version(version)
-        with self._lock:
-            lock = self._version_locks.setdefault(version, threading.Lock())
-        with lock:  # one download per version; other versions proceed in parallel
+        with self._version_lock(version):  # one download per version; other versions proceed in parallel
             with self._lock:
                 hit = self._fetched.pop(version, None)
                 if hit is not None and os.path.isdir(hit):

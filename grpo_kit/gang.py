@@ -31,9 +31,10 @@ from . import algorithms
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
 from .loss import group_advantages
+from .publish import optimizer_state_name
 from .retention import OPTIMIZER_STATE_KEY, delete_version
 from .sampling import Group
-from .trainer import RankSpec, optimizer_state_name, teardown, train_rank
+from .trainer import RankSpec, teardown, train_rank
 
 log = logging.getLogger(__name__)
 

@@ -7,21 +7,22 @@ costs a forward/backward, not a model load. :func:`train_rank` is the body of on
   only when the driver starts a new gang after a failure. The DDP wrapper is deleted before
   ``destroy_process_group()`` (destroying the group under a live wrapper deadlocked workers);
 - the state follows the adapter store: if the requested version is not the one in memory (a fresh
-  or restarted worker, a retried step), the adapter and optimizer state are loaded from the store;
-- rank 0 publishes version ``v + 1`` (optimizer state, then the adapter) after the step and
-  broadcasts the outcome (:func:`agree_on_outcome`): when an earlier attempt of the step had
-  committed ``v + 1`` first, every rank adopts that version (adapter and optimizer state), and when
-  the publish raised, every rank fails the step. Each publish records the manifest attempt of the
-  version it trained from (``meta["parent_attempt"]``), so a ``v + 1`` trained from a ``v`` that has
-  since been taken back and trained again is replaced, never adopted (:func:`publish_step`). The other ranks therefore wait for rank 0's publish
-  (bounded by the collective timeout). The driver gets the all-reduced stats back, never tensors.
+  or restarted worker, a retried step, or the same number published anew after a take-back: each
+  step compares the store's attempt with the one in memory), the adapter and optimizer state are
+  loaded from the store;
+- rank 0 publishes version ``v + 1`` after the step (:mod:`grpo_kit.publish`: the optimizer state,
+  then the adapter, whose manifest records the attempt of the ``v`` it was trained from) and
+  broadcasts the outcome and the attempt it published (:func:`agree_on_outcome`): when an earlier
+  attempt of the step had committed ``v + 1`` first, every rank adopts that version (adapter and
+  optimizer state), and when the publish raised, every rank fails the step. The other ranks
+  therefore wait for rank 0's publish (bounded by the collective timeout). The driver gets the
+  all-reduced stats back, never tensors.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
-import logging
 import os
 import threading
 import time
@@ -30,12 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from . import algorithms
-from .adapters import AdapterStore, VersionExistsError, VersionNotFoundError, new_attempt
+from .adapters import AdapterStore
 from .config import Config, LoRAConfig, LossConfig, ModelConfig, OptimConfig
-from .retention import delete_version
+from .publish import ADOPTED, FAILED, PUBLISHED, optimizer_state_name, publish_step, state_version
 from .train_step import collate, grpo_step, make_optimizer, wrap_ddp
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -215,8 +214,8 @@ class TrainerState:
 
         ``self.version`` is None after a failed step (the weights may hold a half-applied update):
         then the state is always reloaded."""
-        if version == self.version:
-            return
+        if version == self.version and (version == 0 or self.attempt == (version, self.store.attempt(version))):
+            return  # the weights in memory are the store's (a version taken back and trained anew has another attempt)
         man: dict = {}
         self.version = self.attempt = None  # until loaded: a failure below leaves the weights unknown
         if version == 0:
@@ -246,22 +245,6 @@ def rank_device(local_rank: int) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return f"cuda:{local_rank % torch.cuda.device_count()}"
-
-
-def optimizer_state_name(version: int, attempt: str | None = None) -> str:
-    """Where a step's optimizer state goes: one name per attempt (``attempt``), so that a retried
-    step never overwrites the state of an attempt whose adapter was published (the manifest's
-    ``meta["optimizer_state"]`` names the one that belongs to the version)."""
-    return f"optimizer/v{version:06d}" + (f"-{attempt}" if attempt else "")
-
-
-def state_version(name: str) -> int:
-    """The version of an optimizer state's name (:func:`optimizer_state_name`).
-
-    >>> state_version("optimizer/v000012-1a2b3c4d"), state_version("optimizer/v000003")
-    (12, 3)
-    """
-    return int(name.rsplit("/v", 1)[1].split("-", 1)[0])
 
 
 _STATE: TrainerState | None = None
@@ -313,73 +296,15 @@ def warm(spec: RankSpec, version: int) -> float:
     return time.time() - t0
 
 
-PUBLISHED, ADOPTED, FAILED = 0, 1, 2
-"""Outcomes of rank 0's publish of ``v + 1``: it committed this attempt's update; an earlier
-attempt had committed ``v + 1`` (every rank adopts that version); it raised (every rank fails)."""
-
-
-def agree_on_outcome(outcome: int, group, device: str) -> int:
-    """Rank 0's publish outcome, on every rank of ``group`` (one broadcast from rank 0; every rank
-    calls it once per step, whatever its own outcome, so the collectives line up)."""
-    flag = torch.tensor([outcome], dtype=torch.int64, device=device)  # on the GPU for NCCL
+def agree_on_outcome(outcome: int, attempt: str | None, group, device: str) -> tuple[int, str | None]:
+    """Rank 0's publish outcome and the attempt it published (16 hex digits, or None), on every rank
+    of ``group`` (one broadcast from rank 0; every rank calls it once per step, whatever its own
+    outcome, so the collectives line up): every rank then knows the attempt of the weights it holds."""
+    halves = [int(attempt[:8], 16), int(attempt[8:], 16)] if attempt else [-1, -1]
+    flag = torch.tensor([outcome, *halves], dtype=torch.int64, device=device)  # on the GPU for NCCL
     torch.distributed.broadcast(flag, src=torch.distributed.get_global_rank(group, 0), group=group)
-    return int(flag.item())
-
-
-def publish_step(state: TrainerState, version: int, iteration: int, stats: dict) -> tuple[int, str | None, float]:
-    """Rank 0's publish of the step from ``version``: the optimizer state, then the adapter as
-    ``version + 1`` (its manifest, which names that state, is the commit point). Returns the outcome,
-    the state's name (None when adopted) and when the state was saved.
-
-    Each publish records the manifest attempt of the version it trained from (``meta["parent_attempt"]``,
-    :meth:`AdapterStore.descends`), which tells apart what a ``version + 1`` already in the store is:
-
-    - the step first checks that the ``version`` it trained from is the store's now. A step that
-      escaped a stopping driver's take-back (:meth:`TrainerGang.withdraw`) trained from a version since
-      deleted, or deleted and trained anew by a resumed run: it fails here and publishes nothing;
-    - a ``version + 1`` trained from the same ``version``: an earlier attempt of this very step
-      committed it first (the driver saw that attempt fail while its publish was still running):
-      ADOPTED, every rank loads it;
-    - one trained from another attempt of ``version``: an orphan (an escaped step that published
-      before the check above could stop it). It is deleted, and this step's update published."""
-    known = state.attempt
-    now = state.store.attempt(version)  # VersionNotFoundError: the version trained from is gone
-    parent = known[1] if known is not None and known[0] == version else now
-    if parent != now:
-        raise RuntimeError(f"v{version} was taken back and trained again since this step loaded it: "
-                           f"v{version + 1} not published")
-    attempt = new_attempt()
-    name = optimizer_state_name(version + 1, attempt)
-    state.store.save_state(name, state.optimizer.state_dict())
-    t_saved = time.time()
-    meta = {"iteration": iteration, "stats": stats, "optimizer_state": name, "parent_attempt": parent}
-    try:
-        for replaced in (False, True):
-            try:
-                state.store.publish(state.model, version + 1, meta=meta, parent=version, attempt=attempt)
-                state.attempt = (version + 1, attempt)
-                return PUBLISHED, name, t_saved
-            except VersionExistsError:
-                if replaced:
-                    raise
-                there = state.store.manifest(version + 1, fresh=True)
-                if there.get("meta", {}).get("parent_attempt", parent) == parent:  # older stores: adopt, as before
-                    state.store.delete_state(name)
-                    return ADOPTED, None, t_saved
-                log.warning("v%d in the store was trained from a v%d that is no longer in the store (published by a "
-                            "step a stopping driver could not take back): deleted, and this step's v%d published "
-                            "instead", version + 1, version, version + 1)
-                try:
-                    if state.store.attempt(version + 1) == there.get("attempt"):  # still the orphan read above
-                        delete_version(state.store, version + 1)
-                except VersionNotFoundError:  # already deleted
-                    pass
-                orphan_state = there.get("meta", {}).get("optimizer_state")
-                state.saved_states = [n for n in state.saved_states if n != orphan_state]
-    except BaseException:
-        state.store.delete_state(name)  # never committed: no manifest names it
-        raise
-    raise AssertionError("unreachable")
+    out, hi, lo = (int(x) for x in flag.tolist())
+    return out, (None if hi < 0 else f"{hi:08x}{lo:08x}")
 
 
 def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
@@ -389,6 +314,7 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
     # Sync before forming the group: building the DDP wrapper copies rank 0's weights to every
     # rank, so each rank must already hold `version` (a restarted worker may become rank 0).
     state.sync_to(version)
+    parent = state.attempt[1]  # the attempt of `version` this rank trains from (sync_to checked it is the store's)
     state.ensure_group(spec)
     t_ready = time.time()
     batch = collate(samples, state.pad_id)
@@ -406,20 +332,18 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
             temperature=spec.temperature,
             policy_loss=spec.policy_loss_function(),
         )
-    except BaseException:
-        state.version = None  # the optimizer may have stepped: reload from the store on retry
-        raise
-    state.version = version + 1
+    finally:
+        state.version = state.attempt = None  # the update is applied; which version that is, the outcome says
     t_step = time.time()
     t_opt = t_step
-    outcome, error, name = PUBLISHED, None, None
+    outcome, error, attempt = PUBLISHED, None, None
     if spec.rank == 0:
         try:
-            outcome, name, t_opt = publish_step(state, version, iteration, stats)
+            outcome, attempt, t_opt = publish_step(state, version, iteration, stats, parent)
         except Exception as e:  # told to the other ranks first, so that none waits on rank 0
             outcome, error = FAILED, e
     if spec.world_size > 1:
-        outcome = agree_on_outcome(outcome, state.ddp.process_group, state.device)
+        outcome, attempt = agree_on_outcome(outcome, attempt, state.ddp.process_group, state.device)
     if outcome == FAILED:
         state.version = None  # v+1 may or may not be in the store: reload on retry
         if error is not None:
@@ -430,8 +354,10 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
         state.version = None
         state.sync_to(version + 1)
         stats = state.store.manifest(version + 1).get("meta", {}).get("stats", stats)
-    elif spec.rank == 0:
-        state.saved_states.append(name)
+    else:
+        state.version, state.attempt = version + 1, (version + 1, attempt)
+    if outcome == PUBLISHED and spec.rank == 0:
+        state.saved_states.append(optimizer_state_name(version + 1, attempt))
         # keep the last three this process wrote: a driver that stops takes back up to two versions
         # published past the one it committed (gang.TrainerGang.withdraw), whose state must stay
         while len(state.saved_states) > 3:
