@@ -31,10 +31,10 @@ from . import algorithms
 from .adapters import AdapterStore
 from .cluster import TRAINER, wait_for_role, workers_with
 from .loss import group_advantages
-from .publish import optimizer_state_name
+from .publish import fence, optimizer_state_name
 from .retention import OPTIMIZER_STATE_KEY, delete_version
 from .sampling import Group
-from .trainer import RankSpec, teardown, train_rank
+from .trainer import RankSpec, steps_running, teardown, train_rank
 
 log = logging.getLogger(__name__)
 
@@ -329,8 +329,10 @@ class TrainerGang:
         step the driver waited for but did not commit. Left in place, for a resumed run to adopt as
         after a driver that died between a publish and the run state
         (:func:`grpo_kit.checkpoint.reconcile`): everything, when ``committed``'s own optimizer state is
-        gone (the resumed run could not load it); and a version a step publishes after this returns
-        (one that started in the milliseconds between the scheduler's answer and the cancel).
+        gone (the resumed run could not load it). A cancelled step a worker began in the milliseconds
+        between the scheduler's answer and the cancel still runs to its end: the store is fenced
+        against this gang's steps and every trainer is waited for until none runs one
+        (:meth:`fence_out`), so such a step publishes nothing, or publishes before the deletion.
         ``delete=False``: only cancel the steps not started, wait for nothing, delete nothing.
         Returns the versions deleted."""
         handles = sorted(handles, key=lambda h: h.iteration)
@@ -348,6 +350,8 @@ class TrainerGang:
             log.warning("the driver stopped while the step of iteration %d runs: waiting for it to take back "
                         "v%d", h.iteration, h.version + 1)
             results_of(h.futures, self.step_timeout_s if timeout is None else timeout, alive=self._alive)
+        if len(started) < len(ours):  # cancelled: a worker may have begun one since the scheduler answered
+            self.fence_out(store, self.step_timeout_s if timeout is None else timeout)
         above = [v for v in store.versions() if v > committed]
         if not above:
             return []
@@ -357,6 +361,28 @@ class TrainerGang:
                         ", v".join(map(str, above)))
             return []
         return [v for v in sorted(above, reverse=True) if delete_version(store, v)]
+
+    def fence_out(self, store: AdapterStore, timeout: float) -> None:
+        """Make sure no step of this gang publishes from now on: record the gang in the store's fence
+        (:func:`grpo_kit.publish.fence`; rank 0 reads it before it publishes), then wait until no
+        trainer runs a rank task of it (:func:`grpo_kit.trainer.steps_running`; a task counts as
+        running from before its fence read to after its publish), ``timeout`` at most. A step that read
+        the fence before it was written therefore ends (and publishes) before this returns, and one
+        that reads it after publishes nothing."""
+        fence(store, self.gang_id)
+        deadline = time.time() + timeout
+        while True:
+            try:
+                counts = self.client.run(steps_running, self.gang_id, workers=self.workers, on_error="ignore")
+            except OSError:  # a trainer that left runs nothing
+                counts = {}
+            if not any(counts.values()):
+                return
+            if time.time() > deadline or not self._alive():
+                log.warning("a cancelled step of gang %d still runs after %.0f s: a version it publishes is left "
+                            "for a resumed run to adopt", self.gang_id, timeout)
+                return
+            time.sleep(0.05)
 
     def recover(self, error: BaseException, where: str) -> None:
         """After a failure of the gang's rank tasks (a training step, or the pre-flight sweep:

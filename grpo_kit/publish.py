@@ -19,6 +19,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+FENCE = "withdrawn"
+"""The store's record (``AdapterStore.write_json``) of the gangs whose steps a stopping driver took
+back (:func:`fence`): a step of one of them publishes nothing (:func:`publish_step`)."""
+
+
+def fence(store: AdapterStore, gang_id: int, keep: int = 32) -> None:
+    """Record that the steps of gang ``gang_id`` must publish nothing from now on: a stopping driver
+    (:meth:`TrainerGang.withdraw`) cancelled them, and a cancelled task a worker had already begun
+    still runs to its end. The newest ``keep`` gangs are kept (a resumed run forms new ones)."""
+    try:
+        ids = store.read_json(FENCE)
+    except FileNotFoundError:
+        ids = []
+    store.write_json(FENCE, [*(i for i in ids if i != gang_id), gang_id][-keep:])
+
+
+def fenced(store: AdapterStore, gang_id: int) -> bool:
+    """Whether a stopping driver took back the steps of gang ``gang_id`` (:func:`fence`)."""
+    try:
+        return gang_id in store.read_json(FENCE)
+    except FileNotFoundError:
+        return False
+
+
+class Withdrawn(RuntimeError):
+    """The step's gang was taken back by a stopping driver (:func:`fence`): nothing was published."""
+
+
 PUBLISHED, ADOPTED, FAILED = 0, 1, 2
 """Outcomes of rank 0's publish of ``v + 1``: it committed this attempt's update; an earlier
 attempt had committed ``v + 1`` (every rank adopts that version); it raised (every rank fails)."""
@@ -41,10 +69,13 @@ def state_version(name: str) -> int:
 
 
 def publish_step(state: TrainerState, version: int, iteration: int, stats: dict,
-                 parent: str | None) -> tuple[int, str | None, float]:
+                 parent: str | None, gang_id: int | None = None) -> tuple[int, str | None, float]:
     """Rank 0's publish of the step from ``version``: the optimizer state, then the adapter as
     ``version + 1`` (its manifest, which names that state, is the commit point). Returns the outcome,
     the attempt published (None when adopted) and when the optimizer state was saved.
+
+    A step of a gang a stopping driver took back (``gang_id`` :func:`fenced`: its task was cancelled
+    after a worker began it) raises :class:`Withdrawn` before writing anything.
 
     Each publish records the manifest attempt of the version it trained from (``meta["parent_attempt"]``,
     :meth:`AdapterStore.descends`), which tells apart what a ``version + 1`` already in the store is:
@@ -61,6 +92,9 @@ def publish_step(state: TrainerState, version: int, iteration: int, stats: dict,
       check above and published after the take-back). It is deleted, and this step's update published.
     An exception after the optimizer state is saved deletes that state unless the store's
     ``version + 1`` is this attempt's (a manifest that landed although its write raised)."""
+    if gang_id is not None and fenced(state.store, gang_id):
+        raise Withdrawn(f"the steps of gang {gang_id} were taken back by a stopping driver: v{version + 1} "
+                        "not published")
     if state.store.attempt(version) != parent:  # VersionNotFoundError: the version trained from is gone
         raise RuntimeError(f"v{version} was taken back and trained again since this step loaded it: "
                            f"v{version + 1} not published")

@@ -26,6 +26,8 @@ import gc
 import os
 import threading
 import time
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -307,8 +309,40 @@ def agree_on_outcome(outcome: int, attempt: str | None, group, device: str) -> t
     return out, (None if hi < 0 else f"{hi:08x}{lo:08x}")
 
 
+_RUNNING: Counter[int] = Counter()  # gang id -> rank tasks of that gang running in this process
+_RUNNING_LOCK = threading.Lock()
+
+
+def steps_running(gang_id: int) -> int:
+    """How many rank tasks of gang ``gang_id`` run in this process now: a stopping driver that
+    cancelled a step waits for 0 on every trainer (:meth:`TrainerGang.withdraw`), since a cancelled
+    task a worker had begun still runs to its end."""
+    with _RUNNING_LOCK:
+        return _RUNNING[gang_id]
+
+
+@contextmanager
+def _running(gang_id: int):
+    with _RUNNING_LOCK:
+        _RUNNING[gang_id] += 1
+    try:
+        yield
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING[gang_id] -= 1
+            if not _RUNNING[gang_id]:
+                del _RUNNING[gang_id]
+
+
 def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
-    """One rank's part of one training step (a Dask task). Returns stats and timings."""
+    """One rank's part of one training step (a Dask task). Returns stats and timings. It counts as
+    running (:func:`steps_running`) from its first line to its last, so from before rank 0 reads
+    the fence (:func:`grpo_kit.publish.fenced`) to after its publish."""
+    with _running(spec.gang_id):
+        return _train_rank(spec, samples, version, iteration)
+
+
+def _train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
     t0 = time.time()
     state = get_state(spec)
     # Sync before forming the group: building the DDP wrapper copies rank 0's weights to every
@@ -339,7 +373,7 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
     outcome, error, attempt = PUBLISHED, None, None
     if spec.rank == 0:
         try:
-            outcome, attempt, t_opt = publish_step(state, version, iteration, stats, parent)
+            outcome, attempt, t_opt = publish_step(state, version, iteration, stats, parent, spec.gang_id)
         except Exception as e:  # told to the other ranks first, so that none waits on rank 0
             outcome, error = FAILED, e
     if spec.world_size > 1:

@@ -281,6 +281,51 @@ def test_withdraw_waits_for_a_started_step_and_cancels_those_not_started(tmp_pat
         running.set()
 
 
+def test_a_step_a_worker_begins_as_the_driver_cancels_it_publishes_nothing(tmp_path, client, monkeypatch):
+    """The race a fresh-clone CI run lost once: the driver stops after committing iteration 1 while
+    the step of iteration 2, submitted ahead, waits for its batch; the scheduler answers "waiting",
+    and a worker begins the step before the cancel lands (a running task is not stopped by a cancel).
+    Made certain here: the answer "waiting" is given once the step runs. That step used to publish v3
+    after the take-back, and the resumed run adopted it with a record rebuilt from the trainer's
+    statistics (no rewards, no rollout version). Now the take-back fences the gang and waits until
+    no trainer runs its steps: the store ends at the committed v2, and the resumed run trains
+    iteration 2 itself, with a full record."""
+    cfg = _cfg(tmp_path, iterations=4, world_size=1)
+    store = AdapterStore(cfg.run.store_root)
+    real_states, asked = gang.task_states, []
+
+    def answer_waiting_once_it_runs(client_, futures):
+        keys = [f.key for f in futures]
+        if any("-train-" in k for k in keys):
+            asked.append(keys)
+            deadline = time.time() + 120
+            while not set(real_states(client_, futures)) <= {"processing", "memory"}:
+                assert time.time() < deadline, "the step of iteration 2 never began"
+                time.sleep(0.02)
+            return ["waiting"] * len(futures)
+        return real_states(client_, futures)
+
+    monkeypatch.setattr(gang, "task_states", answer_waiting_once_it_runs)
+
+    def stop_after_1(rec):
+        if rec["iteration"] == 1:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        loop.run(cfg, client=client, callbacks=[stop_after_1], progress=False)
+    assert len(asked) == 1 and "-train-2-" in asked[0][0]  # the step of iteration 2 was the one cancelled
+    time.sleep(1.0)  # a publish that escaped would have landed by now
+    assert store.read_json("run")["version"] == 2 and store.versions() == [1, 2]
+    states = sorted(p.name for p in Path(cfg.run.store_root, "state", "optimizer").glob("*.pt"))
+    assert states and not [n for n in states if n.startswith("v000003")], states
+    monkeypatch.setattr(gang, "task_states", real_states)
+    res = loop.run(cfg, client=client, resume=True, progress=False)
+    assert [r["iteration"] for r in res.records] == [0, 1, 2, 3]
+    assert not [r for r in res.records if r.get("recovered")]
+    assert [r["rollout_version"] for r in res.records] == [0, 0, 1, 2]
+    assert _chain(store) == [1, 2, 3, 4]
+
+
 def test_without_reward_workers_a_chunk_is_scored_in_its_generation_task(tmp_path, client, monkeypatch):
     """No reward workers: the rollout task scores its chunk itself (one task and one scheduler round
     trip fewer between generation and the driver), so the driver submits no reward task and every

@@ -1,10 +1,12 @@
 """grpo_kit.publish: a step's commit to the store, through the rank task on the tiny model in this
 process (world size 1): an orphan trained from a taken-back version is replaced, never adopted; a
 step whose version was taken back publishes nothing; a legit retry adopts; a failed publish leaves no
-optimizer state unless its manifest landed. (Every rank adopting, world size 2: tests/test_trainer.py.)"""
+optimizer state unless its manifest landed; a step of a gang a stopping driver fenced publishes
+nothing. (Every rank adopting, world size 2: tests/test_trainer.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,40 @@ def test_a_failed_publish_deletes_its_optimizer_state_unless_its_manifest_landed
         trainer.train_rank(spec, make_samples(tiny_path), 0, 0)
     assert store.versions() == [1]
     assert store.state_exists(store.manifest(1)["meta"]["optimizer_state"])
+
+
+def test_a_step_of_a_fenced_gang_publishes_nothing_and_counts_as_running_until_it_ends(tiny_path, tmp_path):
+    """A stopping driver fences its gang (publish.fence) after cancelling its steps: a step of that
+    gang a worker had begun anyway raises Withdrawn at its publish, writing neither optimizer state
+    nor adapter; another gang (a resumed run's) publishes as before. While a rank task runs it counts
+    in trainer.steps_running, from before its fence read to after its publish."""
+    spec = make_spec(tiny_path, str(tmp_path / "store"), lr=1e-2)
+    store = AdapterStore(spec.store_root)
+    seen = []
+    real = publish.fenced
+
+    def spy(st, gang_id):
+        seen.append(trainer.steps_running(gang_id))
+        return real(st, gang_id)
+
+    assert not publish.fenced(store, spec.gang_id)
+    publish.fence(store, spec.gang_id + 1)
+    publish.fence(store, spec.gang_id)
+    assert publish.fenced(store, spec.gang_id) and publish.fenced(store, spec.gang_id + 1)
+    try:
+        publish.fenced = spy  # train_rank reaches it through publish_step's module globals
+        with pytest.raises(publish.Withdrawn, match=f"gang {spec.gang_id}"):
+            trainer.train_rank(spec, make_samples(tiny_path), 0, 0)
+    finally:
+        publish.fenced = real
+    assert seen == [1] and trainer.steps_running(spec.gang_id) == 0
+    assert store.versions() == [] and not store.fs.exists(f"{store.path}/state/optimizer")
+    other = dataclasses.replace(spec, gang_id=spec.gang_id + 2)
+    trainer.train_rank(other, make_samples(tiny_path), 0, 0)
+    assert store.versions() == [1] and trainer.steps_running(other.gang_id) == 0
+    for k in range(40):  # only the newest 32 gangs are kept
+        publish.fence(store, 10_000 + k)
+    assert not publish.fenced(store, spec.gang_id) and publish.fenced(store, 10_039)
 
 
 def _param_name(saved: str, params: dict) -> str:
