@@ -105,8 +105,9 @@ def reconcile(state: dict, store: AdapterStore) -> dict:
     """Fold in the steps that published their adapters but whose run state was never written (a driver
     that died in between), along the unbroken chain of versions above the state's. A version past a
     gap in that chain (its parent was taken back by a stopping driver, :meth:`TrainerGang.withdraw`,
-    while a step that had just started published it) was trained from weights the run no longer
-    has: it is deleted, and its iteration trained again. So is a version trained from another attempt
+    while a step its fence could not stop published it: the driver was killed outright, or its wait
+    timed out) was trained from weights the run no longer has: it is deleted, and its iteration
+    trained again. So is a version trained from another attempt
     of the version below it (:meth:`AdapterStore.descends`: that one was taken back and trained anew)."""
     v = state["version"] + 1
     while store.exists(v) and store.descends(v):

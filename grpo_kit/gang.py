@@ -34,7 +34,7 @@ from .loss import group_advantages
 from .publish import fence, optimizer_state_name
 from .retention import OPTIMIZER_STATE_KEY, delete_version
 from .sampling import Group
-from .trainer import RankSpec, steps_running, teardown, train_rank
+from .trainer import RankSpec, publishes_running, teardown, train_rank
 
 log = logging.getLogger(__name__)
 
@@ -330,9 +330,11 @@ class TrainerGang:
         after a driver that died between a publish and the run state
         (:func:`grpo_kit.checkpoint.reconcile`): everything, when ``committed``'s own optimizer state is
         gone (the resumed run could not load it). A cancelled step a worker began in the milliseconds
-        between the scheduler's answer and the cancel still runs to its end: the store is fenced
-        against this gang's steps and every trainer is waited for until none runs one
-        (:meth:`fence_out`), so such a step publishes nothing, or publishes before the deletion.
+        between the scheduler's answer and the cancel still runs to its end (as does a started one
+        the wait gave up on): before deleting, the store is fenced against this gang's steps and every
+        trainer is waited for until none is in a publish of them (:meth:`fence_out`), so such a step
+        publishes nothing, or publishes before the deletion; only one still publishing when that wait
+        times out leaves its version for a resumed run to adopt.
         ``delete=False``: only cancel the steps not started, wait for nothing, delete nothing.
         Returns the versions deleted."""
         handles = sorted(handles, key=lambda h: h.iteration)
@@ -350,7 +352,7 @@ class TrainerGang:
             log.warning("the driver stopped while the step of iteration %d runs: waiting for it to take back "
                         "v%d", h.iteration, h.version + 1)
             results_of(h.futures, self.step_timeout_s if timeout is None else timeout, alive=self._alive)
-        if len(started) < len(ours):  # cancelled: a worker may have begun one since the scheduler answered
+        if ours:  # a cancelled one a worker began since the scheduler answered, or one the wait gave up on
             self.fence_out(store, self.step_timeout_s if timeout is None else timeout)
         above = [v for v in store.versions() if v > committed]
         if not above:
@@ -365,20 +367,19 @@ class TrainerGang:
     def fence_out(self, store: AdapterStore, timeout: float) -> None:
         """Make sure no step of this gang publishes from now on: record the gang in the store's fence
         (:func:`grpo_kit.publish.fence`; rank 0 reads it before it publishes), then wait until no
-        trainer runs a rank task of it (:func:`grpo_kit.trainer.steps_running`; a task counts as
-        running from before its fence read to after its publish), ``timeout`` at most. A step that read
-        the fence before it was written therefore ends (and publishes) before this returns, and one
-        that reads it after publishes nothing."""
+        trainer of the gang still here is in a publish of it (:func:`grpo_kit.trainer.publishes_running`;
+        rank 0 counts from just before its fence read to the end of its publish), ``timeout`` at most.
+        A step that read the fence before it was written therefore publishes before this returns, and
+        one that reads it after publishes nothing."""
         fence(store, self.gang_id)
         deadline = time.time() + timeout
         while True:
-            try:
-                counts = self.client.run(steps_running, self.gang_id, workers=self.workers, on_error="ignore")
-            except OSError:  # a trainer that left runs nothing
-                counts = {}
+            here = set(workers_with(self.client, TRAINER))  # a departed worker would cost a connect timeout
+            workers = [w for w in self.workers if w in here]
+            counts = self.client.run(publishes_running, self.gang_id, workers=workers, on_error="ignore") if workers else {}
             if not any(counts.values()):
                 return
-            if time.time() > deadline or not self._alive():
+            if time.time() > deadline:
                 log.warning("a cancelled step of gang %d still runs after %.0f s: a version it publishes is left "
                             "for a resumed run to adopt", self.gang_id, timeout)
                 return

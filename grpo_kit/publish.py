@@ -83,7 +83,8 @@ def publish_step(state: TrainerState, version: int, iteration: int, stats: dict,
     - first, the ``version`` this rank trained from (``parent``: the attempt of it that it held) must
       still be the store's (every rank checked it at the step's start, :meth:`TrainerState.sync_to`;
       it is read again here): a step that escaped a stopping driver's take-back
-      (:meth:`TrainerGang.withdraw`) trained from a version deleted while it ran, or deleted and
+      (:meth:`TrainerGang.withdraw`; one its fence could not stop: the wait for it timed out, or the
+      driver was killed outright) trained from a version deleted while it ran, or deleted and
       trained anew by a resumed run, and fails here, publishing nothing;
     - a ``version + 1`` trained from the same ``version``: an earlier attempt of this very step
       committed it first (the driver saw that attempt fail while its publish was still running):

@@ -309,14 +309,16 @@ def agree_on_outcome(outcome: int, attempt: str | None, group, device: str) -> t
     return out, (None if hi < 0 else f"{hi:08x}{lo:08x}")
 
 
-_RUNNING: Counter[int] = Counter()  # gang id -> rank tasks of that gang running in this process
+_RUNNING: Counter[int] = Counter()  # gang id -> rank-0 publishes of that gang running in this process
 _RUNNING_LOCK = threading.Lock()
 
 
-def steps_running(gang_id: int) -> int:
-    """How many rank tasks of gang ``gang_id`` run in this process now: a stopping driver that
-    cancelled a step waits for 0 on every trainer (:meth:`TrainerGang.withdraw`), since a cancelled
-    task a worker had begun still runs to its end."""
+def publishes_running(gang_id: int) -> int:
+    """How many steps of gang ``gang_id`` are in their publish in this process now (rank 0, from
+    just before it reads the fence, :func:`grpo_kit.publish.fenced`, to the end of its publish): a
+    stopping driver that fenced the gang waits for 0 on every trainer (:meth:`TrainerGang.fence_out`),
+    since a cancelled task a worker had begun still runs to its end. Only that span counts: a step
+    before it will read the fence, and the other ranks publish nothing."""
     with _RUNNING_LOCK:
         return _RUNNING[gang_id]
 
@@ -335,14 +337,7 @@ def _running(gang_id: int):
 
 
 def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
-    """One rank's part of one training step (a Dask task). Returns stats and timings. It counts as
-    running (:func:`steps_running`) from its first line to its last, so from before rank 0 reads
-    the fence (:func:`grpo_kit.publish.fenced`) to after its publish."""
-    with _running(spec.gang_id):
-        return _train_rank(spec, samples, version, iteration)
-
-
-def _train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> dict:
+    """One rank's part of one training step (a Dask task). Returns stats and timings."""
     t0 = time.time()
     state = get_state(spec)
     # Sync before forming the group: building the DDP wrapper copies rank 0's weights to every
@@ -373,7 +368,8 @@ def _train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> 
     outcome, error, attempt = PUBLISHED, None, None
     if spec.rank == 0:
         try:
-            outcome, attempt, t_opt = publish_step(state, version, iteration, stats, parent, spec.gang_id)
+            with _running(spec.gang_id):
+                outcome, attempt, t_opt = publish_step(state, version, iteration, stats, parent, spec.gang_id)
         except Exception as e:  # told to the other ranks first, so that none waits on rank 0
             outcome, error = FAILED, e
     if spec.world_size > 1:

@@ -24,8 +24,9 @@ def tiny_path():
 
 
 def test_a_version_trained_from_a_taken_back_parent_is_replaced_not_adopted(tiny_path, tmp_path):
-    """A step can escape a stopping driver's take-back (it starts between the scheduler's answer and
-    the cancel) and publish v2 from a v1 the driver deleted. A run resumed on the same workers trains
+    """A step can escape a stopping driver's take-back (the driver's wait for it timed out, or the
+    driver was killed outright; the fence stops the ordinary race, see the next test) and publish v2
+    from a v1 the driver deleted. A run resumed on the same workers trains
     v1 again; its step from that v1 used to meet the orphan v2 and adopt it (weights trained from a v1
     the run no longer has). Now the orphan is deleted and the step's own update published; a step
     whose v1 is gone or was replaced while it ran publishes nothing; a legit retry still adopts."""
@@ -107,35 +108,38 @@ def test_a_failed_publish_deletes_its_optimizer_state_unless_its_manifest_landed
     assert store.state_exists(store.manifest(1)["meta"]["optimizer_state"])
 
 
-def test_a_step_of_a_fenced_gang_publishes_nothing_and_counts_as_running_until_it_ends(tiny_path, tmp_path):
+def test_a_step_of_a_fenced_gang_publishes_nothing_and_counts_only_while_it_publishes(tiny_path, tmp_path,
+                                                                                      monkeypatch):
     """A stopping driver fences its gang (publish.fence) after cancelling its steps: a step of that
     gang a worker had begun anyway raises Withdrawn at its publish, writing neither optimizer state
-    nor adapter; another gang (a resumed run's) publishes as before. While a rank task runs it counts
-    in trainer.steps_running, from before its fence read to after its publish."""
+    nor adapter; another gang (a resumed run's) publishes as before. Rank 0 counts in
+    trainer.publishes_running from just before its fence read to the end of its publish, not before."""
     spec = make_spec(tiny_path, str(tmp_path / "store"), lr=1e-2)
     store = AdapterStore(spec.store_root)
     seen = []
-    real = publish.fenced
+    real, real_step = publish.fenced, trainer.grpo_step
 
     def spy(st, gang_id):
-        seen.append(trainer.steps_running(gang_id))
+        seen.append(("fence read", trainer.publishes_running(gang_id)))
         return real(st, gang_id)
+
+    def step_spy(*a, **k):
+        seen.append(("step", trainer.publishes_running(spec.gang_id)))
+        return real_step(*a, **k)
 
     assert not publish.fenced(store, spec.gang_id)
     publish.fence(store, spec.gang_id + 1)
     publish.fence(store, spec.gang_id)
     assert publish.fenced(store, spec.gang_id) and publish.fenced(store, spec.gang_id + 1)
-    try:
-        publish.fenced = spy  # train_rank reaches it through publish_step's module globals
-        with pytest.raises(publish.Withdrawn, match=f"gang {spec.gang_id}"):
-            trainer.train_rank(spec, make_samples(tiny_path), 0, 0)
-    finally:
-        publish.fenced = real
-    assert seen == [1] and trainer.steps_running(spec.gang_id) == 0
+    monkeypatch.setattr(publish, "fenced", spy)  # publish_step reads it from its module
+    monkeypatch.setattr(trainer, "grpo_step", step_spy)
+    with pytest.raises(publish.Withdrawn, match=f"gang {spec.gang_id}"):
+        trainer.train_rank(spec, make_samples(tiny_path), 0, 0)
+    assert seen == [("step", 0), ("fence read", 1)] and trainer.publishes_running(spec.gang_id) == 0
     assert store.versions() == [] and not store.fs.exists(f"{store.path}/state/optimizer")
     other = dataclasses.replace(spec, gang_id=spec.gang_id + 2)
     trainer.train_rank(other, make_samples(tiny_path), 0, 0)
-    assert store.versions() == [1] and trainer.steps_running(other.gang_id) == 0
+    assert store.versions() == [1] and trainer.publishes_running(other.gang_id) == 0
     for k in range(40):  # only the newest 32 gangs are kept
         publish.fence(store, 10_000 + k)
     assert not publish.fenced(store, spec.gang_id) and publish.fenced(store, 10_039)
