@@ -35,8 +35,6 @@ The options travel with the store when it is pickled to Dask workers.
 
 from __future__ import annotations
 
-import atexit
-import fcntl
 import hashlib
 import io
 import json
@@ -53,6 +51,16 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from grpo_kit.adapter_cache import (
+    close_all,
+    copy_matches,
+    hold_shared,
+    lock_path,
+    process_cache_dir,
+    remove_unless_held,
+    sha256_file,
+)
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
 """2: each file's ``key`` (its path under the version folder, in the attempt's folder); 1: no keys,
@@ -61,7 +69,6 @@ REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _VERSION_DIR = re.compile(r"v(\d+)")
 _ATTEMPT = re.compile(r"[0-9a-f]{16}")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
-_CHUNK = 1 << 20
 
 
 def new_attempt() -> str:
@@ -116,8 +123,9 @@ class AdapterStore:
     Processes may share a ``cache_dir``: each holds a shared ``flock`` on a version's lock file
     (``.v000123.lock`` beside it) from its fetch until it evicts that version, and eviction removes
     a copy only when it gets the lock exclusively, so no process removes a copy another one still
-    holds; the last holder to evict it removes it. A store that is garbage-collected lets go of its
-    holds (its copies then stay on disk until some process fetches and evicts them again).
+    holds; the last holder to evict it removes it (:mod:`grpo_kit.adapter_cache`). A store that is
+    garbage-collected lets go of its holds (its copies then stay on disk until some process fetches
+    and evicts them again).
     """
 
     def __init__(self, root: str, storage_options: dict | None = None, cache_dir: str | None = None,
@@ -137,13 +145,13 @@ class AdapterStore:
         held = getattr(self, "_held", None)
         if held is not None:  # forked: the parent's holds are the parent's (closing ours keeps them)
             self._finalizer.detach()
-            _close_all(held)
+            close_all(held)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._version_locks: dict[int, threading.Lock] = {}
         self._fetched: dict[int, str] = {}
         self._held: dict[int, int] = {}  # version -> fd of its lock file, shared flock held
-        self._finalizer = weakref.finalize(self, _close_all, self._held)
+        self._finalizer = weakref.finalize(self, close_all, self._held)
         self._manifests: dict[int, dict] = {}
 
     def __reduce__(self):
@@ -214,7 +222,7 @@ class AdapterStore:
         for name in names:
             local = os.path.join(local_dir, name)
             key = f"{attempt}/{name}"
-            files[name] = {"sha256": _sha256_file(local), "size": os.path.getsize(local), "key": key}
+            files[name] = {"sha256": sha256_file(local), "size": os.path.getsize(local), "key": key}
             self.fs.put_file(local, f"{vpath}/{key}")
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -321,7 +329,7 @@ class AdapterStore:
             self._fetched.pop(version, None)
             fd = self._held.pop(version, None)
         if fd is not None:
-            _remove_unless_held(os.path.join(self._cache_root(), f"v{version:06d}"), fd)
+            remove_unless_held(os.path.join(self._cache_root(), f"v{version:06d}"), fd)
 
     def attempt(self, version: int) -> str | None:
         """The publish attempt of ``version`` as the store holds it now (read fresh; None for version 0,
@@ -394,8 +402,8 @@ class AdapterStore:
             dest = os.path.join(self._cache_root(), f"v{version:06d}")
             try:
                 if fd is None:  # waits while another process removes its copy, then downloads anew
-                    fd = _hold_shared(_lock_path(dest))
-                if not (os.path.isdir(dest) and self._cached_ok(dest, man)):
+                    fd = hold_shared(lock_path(dest))
+                if not (os.path.isdir(dest) and copy_matches(dest, man)):
                     self._download(version, man, dest)
             except BaseException:
                 if fd is not None:
@@ -422,7 +430,7 @@ class AdapterStore:
                 with self._lock:
                     fd = None if v in self._fetched else self._held.pop(v, None)  # not fetched again meanwhile
                 if fd is not None:
-                    _remove_unless_held(path, fd)
+                    remove_unless_held(path, fd)
             with self._lock:
                 if v not in self._fetched and not lock.locked():
                     self._version_locks.pop(v, None)
@@ -441,7 +449,7 @@ class AdapterStore:
                     raise ChecksumError(
                         f"adapter version {version}: {name} is listed in the manifest but missing from the store"
                     ) from None
-                got = _sha256_file(local)
+                got = sha256_file(local)
                 if got != info["sha256"]:
                     raise ChecksumError(
                         f"adapter version {version}: {name} has sha256 {got}, manifest says {info['sha256']}; "
@@ -451,26 +459,18 @@ class AdapterStore:
                 f.write(_json_bytes(man))
             # A stale or corrupt copy from an earlier run goes; a good one (another process sharing
             # cache_dir renamed its download in meanwhile, and may be reading it) stays.
-            if os.path.isdir(dest) and not self._cached_ok(dest, man):
+            if os.path.isdir(dest) and not copy_matches(dest, man):
                 shutil.rmtree(dest, ignore_errors=True)
             try:
                 os.rename(tmp, dest)
             except OSError:  # another process sharing cache_dir got there first
-                if not self._cached_ok(dest, man):
+                if not copy_matches(dest, man):
                     raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    @staticmethod
-    def _cached_ok(dest: str, man: dict) -> bool:
-        for name, info in man["files"].items():
-            local = os.path.join(dest, name)
-            if not os.path.isfile(local) or _sha256_file(local) != info["sha256"]:
-                return False
-        return True
-
     def _cache_root(self) -> str:
-        base = self.cache_dir if self.cache_dir is not None else _process_cache_dir()
+        base = self.cache_dir if self.cache_dir is not None else process_cache_dir()
         # Stores with different roots may share a cache_dir.
         root = os.path.join(base, hashlib.sha1(self.root.encode()).hexdigest()[:16])
         os.makedirs(root, exist_ok=True)
@@ -566,87 +566,5 @@ def _file_key(version: int, name: str, info: dict) -> str:
     return key
 
 
-def _lock_path(entry: str) -> str:
-    """The lock file of a cached version directory: ``.v000123.lock`` beside ``v000123``."""
-    head, tail = os.path.split(entry)
-    return os.path.join(head, f".{tail}.lock")
-
-
-def _hold_shared(path: str) -> int:
-    """An open fd of the lock file ``path`` (created if missing) holding a shared ``flock`` on it;
-    waits while a remover holds it exclusively. The fd locks the file that is at ``path`` when it
-    returns: a remover unlinks the lock file while holding it, so a waiter that got the lock of an
-    unlinked file opens the path again."""
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            got, now = os.fstat(fd), os.stat(path)
-        except FileNotFoundError:  # unlinked between our flock and stat: lock the new one
-            os.close(fd)
-            continue
-        except BaseException:
-            os.close(fd)
-            raise
-        if (got.st_dev, got.st_ino) == (now.st_dev, now.st_ino):
-            return fd
-        os.close(fd)
-
-
-def _remove_unless_held(entry: str, fd: int) -> None:
-    """Give up our shared hold ``fd`` on a cached version directory, removing the directory and its
-    lock file if no one else holds it (we then hold the lock exclusively while removing)."""
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # shared -> exclusive, or fail if others hold it
-        except BlockingIOError:
-            return  # still held elsewhere: its last holder removes it
-        shutil.rmtree(entry, ignore_errors=True)
-        try:
-            os.unlink(_lock_path(entry))
-        except FileNotFoundError:
-            pass
-    finally:
-        os.close(fd)
-
-
-def _close_all(held: dict[int, int]) -> None:
-    """Close the lock fds of a store's held versions (letting go of the holds; nothing is removed)."""
-    for fd in held.values():
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    held.clear()
-
-
-def _sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, indent=1, sort_keys=True).encode()
-
-
-_process_cache: tuple[int, str] | None = None
-_process_cache_lock = threading.Lock()
-
-
-def _process_cache_dir() -> str:
-    """A temp directory for this process's fetches, removed when the interpreter exits."""
-    global _process_cache
-    with _process_cache_lock:
-        if _process_cache is None or _process_cache[0] != os.getpid():
-            path = tempfile.mkdtemp(prefix=f"grpo-adapters-{os.getpid()}-")
-            atexit.register(_remove_own_dir, os.getpid(), path)
-            _process_cache = (os.getpid(), path)
-        return _process_cache[1]
-
-
-def _remove_own_dir(pid: int, path: str) -> None:
-    if os.getpid() == pid:  # a forked child inherits atexit handlers; the directory is not its own
-        shutil.rmtree(path, ignore_errors=True)

@@ -496,13 +496,13 @@ def test_concurrent_download_keeps_the_copy_another_process_reads(adapter_dir, t
     inode = os.stat(weights).st_ino
 
     checks = []
-    real_ok = AdapterStore._cached_ok
+    real_ok = adapters.copy_matches
 
     def missed_once(dest, man):  # the second store looked before the first one's copy was in place
         checks.append(dest)
         return False if len(checks) == 1 else real_ok(dest, man)
 
-    monkeypatch.setattr(second, "_cached_ok", missed_once)
+    monkeypatch.setattr(adapters, "copy_matches", missed_once)  # only the second store fetches from here on
     assert second.fetch(1) == path
     assert os.stat(weights).st_ino == inode  # still the first store's file, never removed under it
     assert len(checks) > 1  # the second store did download (and found the first one's copy good)

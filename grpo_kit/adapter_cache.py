@@ -1,0 +1,127 @@
+"""The local copies of fetched adapter versions, shared safely by the processes of one machine.
+
+:class:`grpo_kit.adapters.AdapterStore` downloads a version into a cache directory (by default
+:func:`process_cache_dir`, one per process) and hands engines and trainers its path. Processes may
+share a ``cache_dir``, so a copy is removed only when no process still holds it:
+
+- Each holder of a copy ``v000123`` keeps a shared ``flock`` on its lock file ``.v000123.lock``
+  beside it (:func:`lock_path`, :func:`hold_shared`), from its fetch until it lets the copy go.
+- Letting go (:func:`remove_unless_held`) upgrades the hold to an exclusive lock without waiting:
+  if that fails, another holder remains and the copy stays; if it succeeds, this was the last
+  holder, which removes the copy and unlinks the lock file while it holds the lock.
+- A process that waits for a shared hold while a remover holds the lock exclusively gets the lock
+  of a file that is then unlinked; :func:`hold_shared` checks that the file it locked is still the
+  one at the path and opens the path again when it is not, so a new download is never covered by
+  a lock nobody else can see.
+
+A copy is trusted only when every file's sha256 matches the version's manifest (:func:`copy_matches`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+
+READ_CHUNK = 1 << 20
+"""Bytes read at a time when hashing a file."""
+
+
+def lock_path(entry: str) -> str:
+    """The lock file of a cached version directory: ``.v000123.lock`` beside ``v000123``."""
+    head, tail = os.path.split(entry)
+    return os.path.join(head, f".{tail}.lock")
+
+
+def hold_shared(path: str) -> int:
+    """An open fd of the lock file ``path`` (created if missing) holding a shared ``flock`` on it;
+    waits while a remover holds it exclusively. The fd locks the file that is at ``path`` when it
+    returns: a remover unlinks the lock file while holding it, so a waiter that got the lock of an
+    unlinked file opens the path again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            got, now = os.fstat(fd), os.stat(path)
+        except FileNotFoundError:  # unlinked between our flock and stat: lock the new one
+            os.close(fd)
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        if (got.st_dev, got.st_ino) == (now.st_dev, now.st_ino):
+            return fd
+        os.close(fd)
+
+
+def remove_unless_held(entry: str, fd: int) -> bool:
+    """Give up our shared hold ``fd`` on the cached version directory ``entry``, removing the
+    directory and its lock file if no one else holds it (we then hold the lock exclusively while
+    removing). Returns whether it removed them; ``fd`` is closed either way."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # shared -> exclusive, or fail if others hold it
+        except BlockingIOError:
+            return False  # still held elsewhere: its last holder removes it
+        shutil.rmtree(entry, ignore_errors=True)
+        try:
+            os.unlink(lock_path(entry))
+        except FileNotFoundError:
+            pass
+        return True
+    finally:
+        os.close(fd)
+
+
+def close_all(held: dict[int, int]) -> None:
+    """Close the lock fds in ``held`` (version -> fd), letting go of those holds without removing
+    anything, and empty it."""
+    for fd in held.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    held.clear()
+
+
+def sha256_file(path: str) -> str:
+    """The hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def copy_matches(dest: str, manifest: dict) -> bool:
+    """Whether the directory ``dest`` holds every file of ``manifest["files"]`` with its sha256."""
+    for name, info in manifest["files"].items():
+        local = os.path.join(dest, name)
+        if not os.path.isfile(local) or sha256_file(local) != info["sha256"]:
+            return False
+    return True
+
+
+_process_cache: tuple[int, str] | None = None
+_process_cache_lock = threading.Lock()
+
+
+def process_cache_dir() -> str:
+    """A temp directory for this process's fetches, removed when the interpreter exits (a forked
+    child gets its own on first use, and never removes its parent's)."""
+    global _process_cache
+    with _process_cache_lock:
+        if _process_cache is None or _process_cache[0] != os.getpid():
+            path = tempfile.mkdtemp(prefix=f"grpo-adapters-{os.getpid()}-")
+            atexit.register(_remove_own_dir, os.getpid(), path)
+            _process_cache = (os.getpid(), path)
+        return _process_cache[1]
+
+
+def _remove_own_dir(pid: int, path: str) -> None:
+    if os.getpid() == pid:  # a forked child inherits atexit handlers; the directory is not its own
+        shutil.rmtree(path, ignore_errors=True)

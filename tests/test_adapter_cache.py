@@ -1,0 +1,117 @@
+"""grpo_kit.adapter_cache: the flock protocol that lets processes share fetched copies.
+
+Holders are separate open file descriptions (as separate processes have), which is what ``flock``
+tells apart; the store-level behaviour across real processes is in tests/test_adapters.py."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import shutil
+import threading
+import time
+
+from grpo_kit.adapter_cache import (
+    close_all,
+    copy_matches,
+    hold_shared,
+    lock_path,
+    process_cache_dir,
+    remove_unless_held,
+    sha256_file,
+)
+
+
+def cached_copy(tmp_path, name: str = "v000001") -> str:
+    entry = tmp_path / name
+    entry.mkdir()
+    (entry / "adapter_model.safetensors").write_bytes(b"weights")
+    return str(entry)
+
+
+def test_the_last_holder_to_let_go_removes_the_copy_and_its_lock_file(tmp_path):
+    entry = cached_copy(tmp_path)
+    assert lock_path(entry) == str(tmp_path / ".v000001.lock")
+    a, b = hold_shared(lock_path(entry)), hold_shared(lock_path(entry))
+    assert remove_unless_held(entry, a) is False  # b still holds it
+    assert os.path.isdir(entry) and os.path.exists(lock_path(entry))
+    assert remove_unless_held(entry, b) is True
+    assert not os.path.exists(entry) and not os.path.exists(lock_path(entry))
+    for fd in (a, b):  # both closed either way
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        raise AssertionError(f"fd {fd} left open")
+
+
+def test_a_waiter_behind_a_remover_locks_the_new_lock_file_not_the_unlinked_one(tmp_path):
+    """A holder waiting while the last holder removes the copy gets the lock of the file that was
+    unlinked; it must notice and hold the path's new lock file, or the next download would be
+    unprotected (the remover's lock is on a file nobody else can open)."""
+    entry = cached_copy(tmp_path)
+    remover = hold_shared(lock_path(entry))
+    import fcntl
+
+    fcntl.flock(remover, fcntl.LOCK_EX)  # mid-removal
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(hold_shared(lock_path(entry))))
+    waiter.start()
+    time.sleep(0.3)
+    assert not got  # blocked behind the exclusive lock
+    os.unlink(lock_path(entry))
+    os.close(remover)  # releases the lock of the unlinked file
+    waiter.join(10)
+    assert got, "hold_shared never returned"
+    fd = got[0]
+    here, there = os.fstat(fd), os.stat(lock_path(entry))
+    assert (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+    other = os.open(lock_path(entry), os.O_RDWR)  # another holder sees the waiter's shared lock
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        raise AssertionError("the new lock file is not held")
+    except BlockingIOError:
+        pass
+    finally:
+        os.close(other)
+    os.close(fd)
+
+
+def test_close_all_lets_go_without_removing(tmp_path):
+    entry = cached_copy(tmp_path)
+    held = {1: hold_shared(lock_path(entry))}
+    close_all(held)
+    assert held == {} and os.path.isdir(entry)
+    assert remove_unless_held(entry, hold_shared(lock_path(entry))) is True  # no hold was left behind
+
+
+def test_a_copy_matches_only_with_every_file_and_its_sha256(tmp_path):
+    entry = cached_copy(tmp_path)
+    (tmp_path / "v000001" / "adapter_config.json").write_text("{}")
+    man = {"files": {"adapter_model.safetensors": {"sha256": hashlib.sha256(b"weights").hexdigest()},
+                     "adapter_config.json": {"sha256": hashlib.sha256(b"{}").hexdigest()}}}
+    assert sha256_file(os.path.join(entry, "adapter_config.json")) == man["files"]["adapter_config.json"]["sha256"]
+    assert copy_matches(entry, man)
+    (tmp_path / "v000001" / "adapter_model.safetensors").write_bytes(b"weightz")
+    assert not copy_matches(entry, man)
+    os.remove(os.path.join(entry, "adapter_model.safetensors"))
+    assert not copy_matches(entry, man)
+
+
+def child_cache_dir(q) -> None:
+    q.put(process_cache_dir())
+
+
+def test_process_cache_dir_is_per_process(tmp_path):
+    mine = process_cache_dir()
+    assert process_cache_dir() == mine and os.path.isdir(mine)
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=child_cache_dir, args=(q,))
+    p.start()
+    theirs = q.get(timeout=30)
+    p.join(30)
+    assert p.exitcode == 0 and theirs != mine
+    assert os.path.isdir(mine)
+    shutil.rmtree(theirs, ignore_errors=True)  # a multiprocessing child exits without atexit handlers
