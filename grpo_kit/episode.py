@@ -14,12 +14,19 @@ None, is appended to the user message; its public methods are tools beside the s
 ``get_reward()``, when defined, scores the finished episode (:attr:`Episode.env_reward`).
 
 An episode ends (:attr:`Episode.end_reason`) ``"answered"``: a turn ended by a stop id or stop
-string with no tool call in it; ``"max_turns"``: turn ``max_turns`` still called tools (they are not
+string with no tool call in it, or ended by a stop id the chat template never ends a turn with
+(SmolLM2's ``<|endoftext|>`` where ChatML writes ``<|im_end|>``: no rendering could extend that
+stream, so its calls are not run); ``"max_turns"``: turn ``max_turns`` still called tools (they are not
 run, so the stream ends on the model's ids); ``"budget"``: a turn reached its token limit, or the
 next turn or environment segment would not fit ``max_episode_tokens`` (the completion side: sampled and
-environment ids) or the engine's context; ``"error"``: the environment's ``reset`` or the rendering
-of its answers raised (:attr:`Episode.error`). A :class:`~grpo_kit.renderers.PrefixError` is raised,
-not recorded: it is a configuration fault, and training on that stream would be wrong.
+environment ids) or the engine's context; ``"error"``: the environment's ``reset`` raised (the
+episode keeps its prompt, without an observation, and samples nothing: a sample with no tokens to
+train on), the rendering of its answers raised, or one of the environment's own tools ran past its
+time limit (its abandoned thread may still change the environment, so no later turn or
+``get_reward`` could be trusted) (:attr:`Episode.error`). A :class:`~grpo_kit.renderers.PrefixError`
+is raised, not recorded: it is a configuration fault, and training on that stream would be wrong.
+``reset`` gets a deep copy of the problem's row, so an environment that edits it changes no other
+episode.
 
 Scheduling: an episode's next turn is queued on the engine as soon as it is due (:func:`turn_batch`).
 On an engine with continuous batching (:meth:`grpo_kit.vllm_engine.VLLMEngine.turn_batch`) each turn
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import copy
 import dataclasses
 import hashlib
 from collections import Counter
@@ -48,7 +56,7 @@ from typing import Any, Protocol
 from . import data
 from .config import EpisodeConfig
 from .prompts import PromptFormat, prompt_of
-from .renderers import PrefixError, Renderer, decode
+from .renderers import PrefixError, Renderer, continues_after, decode
 from .rollout import Continuation, Rollout
 from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
 
@@ -170,7 +178,8 @@ class Episode:
     end_reason: str | None = None
     """One of :data:`END_REASONS` (None while running)."""
     tool_calls: int = 0
-    """Tool calls answered (good or not)."""
+    """Tool calls run or answered with an error, whether or not their answers made it into the stream
+    (the episode may end there: budget, error)."""
     tool_errors: dict = field(default_factory=dict)
     """Failed calls by :data:`grpo_kit.tools.ERROR_KINDS` kind."""
     env_reward: float | None = None
@@ -302,6 +311,8 @@ class Live:
     schemas: list[dict]
     history: str = ""
     """The stream as text (prompt, decoded turns, environment texts)."""
+    env_tools: frozenset = frozenset()
+    """Names of the tools that are the environment's methods."""
 
 
 def append(ep: Episode, kind: str, ids: Sequence[int], logprobs: Sequence[float] | None = None,
@@ -331,19 +342,19 @@ class EpisodeRunner:
 
     def start(self, p: data.Problem, ep: Episode) -> Live:
         env = self.factory() if self.factory is not None else None
-        box = ToolBox(self.tools + (environment_tools(env) if env is not None else []),
-                      timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls)
-        live = Live(ep, env, box, box.schemas())
+        env_tools = environment_tools(env) if env is not None else []
+        box = ToolBox(self.tools + env_tools, timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls)
+        live = Live(ep, env, box, box.schemas(), env_tools=frozenset(fn.__name__ for fn in env_tools))
         ep.messages = self.fmt.messages(prompt_of(p))  # a conversational prompt as it is
         ep.prompt_messages = len(ep.messages)
+        obs = None
         if env is not None:
-            try:
-                obs = env.reset(**problem_row(p))
-            except Exception as e:  # one broken row must not stop the batch
+            try:  # a row of its own (a deep copy): an environment that edits it changes no other episode
+                obs = env.reset(**copy.deepcopy(problem_row(p)))
+            except Exception as e:  # one broken row must not stop the batch; the episode keeps its prompt
                 ep.end_reason, ep.error = "error", f"reset raised {type(e).__name__}: {e}"
-                return live
-            if obs is not None:
-                ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
+        if obs is not None:
+            ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
         ep.prompt_messages = len(ep.messages)  # the renderer may have added the tools' system message
         ep.prompt_ids = self.renderer.encode(live.history)
@@ -366,6 +377,8 @@ class EpisodeRunner:
             ep.end_reason = "budget"
         elif not calls:
             ep.end_reason = "answered"
+        elif ends_on_id and not continues_after(self.renderer, decode(tok, out.ids[-1:])):
+            ep.end_reason = "answered"  # ended on an id the template never ends a turn with: the conversation is over
         elif ep.turns >= self.cfg.max_turns:
             ep.end_reason = "max_turns"
         return None if ep.end_reason else calls
@@ -375,6 +388,11 @@ class EpisodeRunner:
         ep = live.ep
         ep.tool_calls += len(results)
         ep.tool_errors = dict(Counter(ep.tool_errors) + Counter(r.error for r in results if r.error))
+        stuck = [r.name for r in results if r.error == "timeout" and r.name in live.env_tools]
+        if stuck:  # its abandoned thread may still change the environment: nothing after this is reliable
+            ep.end_reason, ep.error = "error", (f"the environment's tool {stuck[0]!r} timed out and may still be "
+                                                "changing the environment")
+            return False
         n = len(ep.messages)
         ep.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         try:
@@ -382,6 +400,7 @@ class EpisodeRunner:
         except PrefixError:
             raise
         except Exception as e:  # e.g. a template that rejects the messages
+            del ep.messages[n:]  # the messages stay those of the stream
             ep.end_reason, ep.error = "error", f"rendering the tool answers raised {type(e).__name__}: {e}"
             return False
         ids = self.renderer.encode(env_text)

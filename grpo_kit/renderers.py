@@ -64,6 +64,30 @@ class Renderer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def continues_after(self, stop_text: str) -> bool:
+        """Whether a turn that ended on a stop id whose text is ``stop_text`` can be followed by the
+        environment's answers (the template ends assistant turns with it); optional, default True."""
+        ...
+
+
+def continues_after(renderer, stop_text: str) -> bool:
+    """``renderer.continues_after(stop_text)``, True for a renderer without that method."""
+    method = getattr(renderer, "continues_after", None)
+    return True if method is None else bool(method(stop_text))
+
+
+def turn_end_text(tokenizer, **template_kwargs) -> str:
+    """What the chat template writes after an assistant message's content (ChatML: ``"<|im_end|>\\n"``);
+    empty when it writes nothing there or a probe conversation cannot be rendered."""
+    probe = "PROBE_c41e"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **template_kwargs)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: no end text known
+        return ""
+    at = text.rfind(probe)
+    return text[at + len(probe):] if at >= 0 else ""
+
 
 def encode(tokenizer, text: str) -> list[int]:
     """Text to ids the way prompts are tokenized (the rendered text carries its special tokens)."""
@@ -102,6 +126,15 @@ class ChatRenderer:
             raise ValueError("ChatRenderer needs a tokenizer with a chat template (use PlainRenderer)")
         self.tokenizer, self.stop, self.template_kwargs = tokenizer, tuple(stop), template_kwargs
         self.native_tools = supports_tools(tokenizer, **template_kwargs)
+        self.turn_end = turn_end_text(tokenizer, **template_kwargs)
+        """What the template writes after an assistant turn's content (:func:`turn_end_text`)."""
+
+    def continues_after(self, stop_text: str) -> bool:
+        """False when the template ends assistant turns with other text than ``stop_text`` (a model
+        with two EOS ids that ended a ChatML turn with ``<|endoftext|>`` instead of ``<|im_end|>``):
+        no rendering of the conversation could extend that stream. True when the template's end of
+        turn is unknown (the prefix check then decides)."""
+        return not self.turn_end or self.turn_end.startswith(stop_text)
 
     def render(self, messages: list[dict], schemas: Sequence[dict]) -> str:
         """The conversation up to the next assistant header."""

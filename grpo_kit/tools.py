@@ -117,15 +117,15 @@ class HermesParser:
                 continue
             try:
                 obj = json.loads(body)
-            except json.JSONDecodeError as e:
-                calls.append(ToolCall(None, error=f"the call is not valid JSON ({e.msg})"))
+            except Exception as e:  # noqa: BLE001 - JSONDecodeError, or RecursionError on deeply nested input
+                calls.append(ToolCall(None, error=f"the call is not valid JSON ({getattr(e, 'msg', type(e).__name__)})"))
                 continue
             name = obj.get("name") if isinstance(obj, dict) else None
             args = obj.get("arguments", {}) if isinstance(obj, dict) else None
             if isinstance(args, str):  # some models write the arguments as a JSON string
                 try:
                     args = json.loads(args)
-                except json.JSONDecodeError:
+                except Exception:  # noqa: BLE001 - as above
                     args = None
             if not isinstance(name, str) or not isinstance(args, dict):
                 calls.append(ToolCall(name if isinstance(name, str) else None,
@@ -148,8 +148,8 @@ class PlainParser:
                 continue
             try:
                 node = ast.parse(body.strip(), mode="eval").body
-            except SyntaxError as e:
-                calls.append(ToolCall(None, error=f"not a call: {e.msg}"))
+            except Exception as e:  # noqa: BLE001 - SyntaxError, ValueError (a NUL), MemoryError or RecursionError (deep nesting)
+                calls.append(ToolCall(None, error=f"not a call: {getattr(e, 'msg', None) or type(e).__name__}"))
                 continue
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
                 calls.append(ToolCall(None, error="expected name(arg, key=value, ...)"))
@@ -242,7 +242,7 @@ class ToolBox:
 
         def target() -> None:
             try:
-                box["value"] = resolve(fn(*call.args, **(call.kwargs or {})))
+                box["value"] = str(resolve(fn(*call.args, **(call.kwargs or {}))))  # str() may raise too
             except BaseException as e:  # reported to the model; the run goes on
                 box["raised"] = e
 
@@ -256,7 +256,7 @@ class ToolBox:
         if "raised" in box:
             e = box["raised"]
             return ToolResult(name, error_text(f"{name} raised {type(e).__name__}: {e}"), "raised", dt)
-        return ToolResult(name, str(box.get("value")), None, dt)
+        return ToolResult(name, box["value"], None, dt)
 
     def call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One turn's calls, in order (an environment's state may depend on the order); calls past

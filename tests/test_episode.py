@@ -20,6 +20,7 @@ from grpo_kit.prompts import PromptFormat
 from grpo_kit.renderers import PLAIN_RESULT, ChatRenderer, PlainRenderer, PrefixError
 from grpo_kit.rollout import Continuation
 from grpo_kit.testing import CallEveryTurn, Notes, assert_aligned, policy
+from grpo_kit.train_step import collate
 
 
 class Recording:
@@ -335,10 +336,98 @@ def test_stopping_rules_and_errors(smol_tok):
     eps = EpisodeRunner(always, ChatRenderer(smol_tok), environment_factory=Broken,
                         cfg=EpisodeConfig(max_turns=2)).run(problems, 1)
     assert [e.end_reason for e in eps] == ["error", "max_turns"] and "no such level" in eps[0].error
+    # the failed episode keeps its prompt (no observation) and samples nothing: it still collates and
+    # trains as a sample without tokens, instead of failing the trainer's step with an empty prompt
+    assert smol_tok.decode(eps[0].prompt_ids).endswith("<|im_start|>assistant\n") and eps[0].completion_ids == []
+    batch = collate([(r.prompt_ids, r.completion_ids, r.logprobs, 1.0, r.mask) for r in map(to_rollout, eps)], pad_id=0)
+    assert batch.completion_mask[0].sum() == 0 and batch.completion_mask[1].sum() == eps[1].sampled_tokens
     assert counts(eps) == {"end_error": 1, "end_max_turns": 1, "tool_calls": 1, "turns": 2,
                            "sampled_tokens": eps[1].sampled_tokens, "env_tokens": eps[1].segments[1].end - eps[1].segments[1].start}
     with pytest.raises(ValueError, match="exceeds the engine's context"):
         EpisodeRunner(FakeEngine(smol_tok, str, max_model_len=64), ChatRenderer(smol_tok)).run(problems, 1)
+
+
+def test_a_turn_ended_on_an_eos_the_template_never_writes_ends_the_episode(smol_tok):
+    """A model with two stop ids (SmolLM2: <|im_end|> and <|endoftext|>) may end a tool-call turn on
+    the one its template never writes after a turn: no rendering extends that stream, so the episode
+    ends there (its calls not run) instead of a PrefixError failing the whole rollout task."""
+    endoftext = smol_tok.convert_tokens_to_ids("<|endoftext|>")
+    renderer = ChatRenderer(smol_tok)
+    assert renderer.turn_end.startswith("<|im_end|>")
+
+    class TwoStopIds(FakeEngine):  # ends every turn on the stop id ``last``, right after the script's text
+        def sample_ids(self, prompts, **kw):
+            out = super().sample_ids(prompts, **kw)
+            return [dataclasses.replace(c, ids=c.ids[:-len(self.stop_ids)] + [self.last], logprobs=c.logprobs[1:])
+                    for c in out]
+
+    for last, expected in ((endoftext, ("answered", 1, 0, 0.0)), (smol_tok.eos_token_id, ("answered", 2, 1, 1.0))):
+        engine = TwoStopIds(smol_tok, lambda text, turn: call(1) if turn == 0 else "#### 1")
+        engine.last = last
+        engine.stop_ids = [smol_tok.eos_token_id, endoftext]  # what the runner checks a turn's last id against
+        (ep,) = EpisodeRunner(engine, renderer, environment_factory=Counter).run(
+            data.synthetic_problems(1, split="train", seed=0), 1)
+        assert (ep.end_reason, ep.turns, ep.tool_calls, ep.env_reward) == expected
+        assert ep.completion_ids[-1] == last
+
+
+def test_each_episode_gets_its_own_row(smol_tok):
+    """An environment that edits the row reset() gets (TRL hands each call a fresh one) changes
+    neither another episode's prompt nor the problem."""
+
+    class Annotating(Counter):
+        def reset(self, **kwargs):
+            kwargs["prompt"][-1]["content"] += " [seen]"
+            kwargs["tags"].append("seen")
+            return super().reset(**kwargs)
+
+    conv = [{"role": "user", "content": "Count to 1."}]
+    p = data.Problem("c0", "Count to 1.", "1", messages=conv, columns={"tags": []})
+    engine = FakeEngine(smol_tok, lambda text, turn: "#### 1")
+    eps = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Annotating,
+                        prompt_format=PromptFormat(instruction="")).run([p], 3)
+    assert len({tuple(e.prompt_ids) for e in eps}) == 1
+    assert p.messages == [{"role": "user", "content": "Count to 1."}] and p.columns == {"tags": []}
+
+
+def test_an_environment_tool_past_its_time_limit_ends_the_episode(smol_tok):
+    """Its abandoned thread may still change the environment, so neither a next turn nor get_reward
+    could be trusted: the episode ends as an error, the answer not appended; a standalone tool's
+    timeout stays an answer to the model."""
+    done = threading.Event()
+
+    class Sluggish(Counter):
+        def increment(self, step: int) -> int:
+            """Increment the counter, slowly.
+
+            Args:
+                step: The amount to add.
+            """
+            time.sleep(0.5)
+            self.count += step
+            done.set()
+            return self.count
+
+    engine = FakeEngine(smol_tok, lambda text, turn: call(1) if turn == 0 else "#### 1")
+    (ep,) = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Sluggish,
+                          cfg=EpisodeConfig(tool_timeout_s=0.1)).run(data.synthetic_problems(1, split="train", seed=0), 1)
+    assert (ep.end_reason, ep.turns, ep.tool_calls, ep.tool_errors, ep.env_reward) == ("error", 1, 1, {"timeout": 1}, None)
+    assert "timed out" in ep.error and ep.segments[-1].kind == "model" and ep.messages[-1]["role"] == "assistant"
+    assert done.wait(5)
+
+    def increment(step: int) -> int:
+        """Increment nothing, slowly.
+
+        Args:
+            step: The amount.
+        """
+        time.sleep(0.5)
+        return step
+
+    (ep,) = EpisodeRunner(engine, ChatRenderer(smol_tok), tools=[increment],
+                          cfg=EpisodeConfig(tool_timeout_s=0.1)).run(data.synthetic_problems(1, split="train", seed=0), 1)
+    assert (ep.end_reason, ep.turns, ep.tool_errors) == ("answered", 2, {"timeout": 1})
+    assert "timed out" in ep.messages[-2]["content"]
 
 
 def test_a_slow_tool_holds_only_its_own_episode(smol_tok):

@@ -61,7 +61,17 @@ def listing(n: int) -> list:
     return list(range(n))
 
 
-BOX = ToolBox([add, boom, slow, listing], timeout_s=0.3, max_calls=3)
+def power(a: int, b: int) -> int:
+    """An integer too long for str() past 4,300 digits.
+
+    Args:
+        a: The base.
+        b: The exponent.
+    """
+    return a**b
+
+
+BOX = ToolBox([add, boom, slow, listing, power], timeout_s=0.3, max_calls=3)
 
 
 def run(fmt: str, text: str):
@@ -89,6 +99,9 @@ HERMES = [
     ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
      '<tool_call>{"name": "nope", "arguments": {}}</tool_call>', [("2", None), (None, "unknown_tool")]),  # two, in order
     ("no call here, <tool_call without its bracket", []),  # no call: the episode's answer
+    ("<tool_call>" + "[" * 100_000 + "</tool_call>", [(None, "malformed")]),  # RecursionError in json, not a crash
+    ('<tool_call>{"name": "add", "arguments": "' + "[" * 100_000 + '"}</tool_call>', [(None, "malformed")]),  # same, nested
+    ('<tool_call>{"name": "power", "arguments": {"a": 10, "b": 5000}}</tool_call>', [(None, "raised")]),  # str() raises
 ]
 
 PLAIN = [
@@ -104,6 +117,10 @@ PLAIN = [
     ("<call>boom(1)</call>", [(None, "raised")]),
     ("<call><call>add(1, 2)</call>", [(None, "malformed")]),  # nested
     ("<call>add(1, 2)", [(None, "malformed")]),  # never closed
+    ("<call>add(1, 2)\x00</call>", [(None, "malformed")]),  # a NUL: ValueError from ast.parse
+    ("<call>add(" + "-" * 200_000 + "1, 2)</call>", [(None, "malformed")]),  # MemoryError from the parser's depth
+    ("<call>add(" + "[" * 300 + "]" * 300 + ", 2)</call>", [(None, "malformed")]),  # too many nested parentheses
+    ("<call>power(10, 5000)</call>", [(None, "raised")]),  # the result's str() raises in the tool's thread
 ]
 
 
