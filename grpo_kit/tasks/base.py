@@ -354,8 +354,12 @@ class Scorer:
         for k, fn in enumerate(self.rewards):
             stage = RewardLog(n)
             out, err = self._call(fn, kwargs, stage)
-            if err is None and (not isinstance(out, Sequence) or isinstance(out, str | bytes) or len(out) != n):
-                err = f"returned {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, Sequence) else "") + f", expected a list of {n}"
+            if err is None and as_list(out) is None:
+                err = f"returned {type(out).__name__}, expected a list of {n}"
+            elif err is None:
+                out = as_list(out)  # a numpy array or a tensor as TRL iterates it
+                if len(out) != n:
+                    err = f"returned {len(out)} values, expected a list of {n}"
             if err is None:
                 log.merge(stage)
             vals: list[float | None] = []
@@ -442,7 +446,23 @@ def problem_columns(problems: Sequence[Problem]) -> dict[str, list]:
     return cols
 
 
+def as_list(out) -> list | None:
+    """A reward function's return value as a list: a list or tuple, or any other sized iterable that
+    is not text or a mapping (a numpy array, a 1-D tensor; TRL iterates whatever it gets); None for
+    anything else (a number, a string, a dict, a generator, a 0-d array)."""
+    if isinstance(out, list | tuple):
+        return list(out)
+    if out is None or isinstance(out, str | bytes | dict) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        return None
+    try:
+        return list(out)
+    except TypeError:  # a 0-d array or tensor has __len__ but no length
+        return None
+
+
 def _value(x) -> tuple[float | None, str | None]:
+    """A reward item as a float, None where the function did not score it (None or NaN, as TRL
+    counts both), or the reason it is not a number."""
     if x is None:
         return None, None
     if isinstance(x, RewardResult):
@@ -453,6 +473,8 @@ def _value(x) -> tuple[float | None, str | None]:
         v = float(x)
     except (TypeError, ValueError):
         return None, f"returned {x!r:.40}, not a number"
+    if math.isnan(v):  # TRL's "did not apply" after it converts None to NaN
+        return None, None
     if not math.isfinite(v):
         return None, f"returned {v}, not a finite number"
     return v, None
