@@ -19,7 +19,9 @@ clock, so it is safe from any thread. Each keeper (trusted code, before the prog
    that mount fails, Landlock gives no read access to ``/proc`` at all), as root drops to an
    unprivileged uid (root ignores ``RLIMIT_NPROC``; in a user namespace it drops every capability
    instead), marks itself not dumpable (no ptrace, no ``/proc/<pid>/mem`` for a same-uid process),
-   turns on Landlock (writes allowed only beneath the temporary directory and to ``/dev/null``; TCP
+   turns on Landlock (writes allowed only beneath the temporary directory and to ``/dev/null``; reads
+   only of the standard library and the system's libraries, no installed package:
+   ``sandbox_launcher.readable_paths``; TCP
    bind/connect and signals outside the sandbox refused where the kernel's ABI has them), sets the
    resource limits (:class:`SandboxLimits`), closes every other descriptor and runs the program.
 
