@@ -214,7 +214,8 @@ def grpo_loss(
     ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are ``(B, T)``, ``adv`` is ``(B,)``. Only
     positions where ``mask`` is set are read: anything elsewhere (padding, prompt, NaN) changes
     neither the loss nor the gradient. ``ref_logp`` may be None when ``kl_beta == 0``. Without
-    ``norm`` the counts are this batch's (dr_grpo's ``max_len`` is ``T``); with it, the loss is the
+    ``norm`` the counts are this batch's (dr_grpo's ``max_len`` is then ``T``, the batch's width,
+    prompt included: pass ``norm`` with the completion budget for the paper's constant); with it, the loss is the
     local sum over the global normalizer. Sequences without tokens contribute 0 (no NaN).
     ``sampling_logp`` (B, T), when given, applies the engine-mismatch weight of ``is_mode`` capped at
     ``is_cap`` (module docstring); ``old_logp`` is then the trainer's.
@@ -273,11 +274,11 @@ def mismatch_weight(old_logp: Tensor, sampling_logp: Tensor, m: Tensor, is_mode:
                     is_cap: float) -> tuple[Tensor, Tensor]:
     """``(w_raw, w)`` (B, T), detached: the engine-mismatch weight before and after its cap (module
     docstring); ``old_logp`` is the trainer's, already 0 off the boolean mask ``m``."""
-    with torch.no_grad():
-        d = torch.where(m, old_logp.detach() - sampling_logp.to(old_logp.dtype), 0.0)  # (B, T)
+    with torch.no_grad():  # in float64: a sequence's summed log-weight passes float32's exp range (88.7)
+        d = torch.where(m, old_logp.detach().double() - sampling_logp.double(), 0.0)  # (B, T)
         if is_mode.startswith("sequence"):
             d = d.sum(dim=1, keepdim=True).expand_as(d)  # (B, T): the sequence's log-weight on each token
-        w_raw = torch.exp(d)  # (B, T)
+        w_raw = torch.exp(d.clamp(max=LOG_WEIGHT_MAX)).to(old_logp.dtype)  # (B, T)
         w = w_raw.clamp(max=is_cap) if is_mode.endswith("truncate") else torch.where(w_raw > is_cap, 0.0, w_raw)
     return w_raw, w
 
@@ -297,7 +298,8 @@ def add_kl(per_tok: Tensor, logp: Tensor, ref_logp: Tensor | None, m: Tensor,
 
 def aggregate(per_tok: Tensor, m: Tensor, loss_type: str, norm: Normalizer | None) -> Tensor:
     """The loss ``per_tok`` (B, T, 0 off the boolean mask ``m``) aggregated by ``loss_type``: the
-    local sum over ``norm``'s global counts (None: this batch's own, dr_grpo's ``max_len`` is ``T``)."""
+    local sum over ``norm``'s global counts (None: this batch's own, dr_grpo's ``max_len`` is ``T``,
+    the width with the prompt: a fallback, not the completion budget)."""
     B, T = per_tok.shape
     tok_per_seq = m.sum(dim=1)  # (B,)
     if norm is None:  # this batch's own counts; the token count stays a tensor (no host sync)
@@ -334,6 +336,10 @@ def token_stats(ratio: Tensor, m: Tensor, clip_low: Tensor, clip_high: Tensor, k
         )
 
 
+LOG_WEIGHT_MAX = 60.0
+"""The engine-mismatch log-weight is clamped here before ``exp`` (``w_raw`` <= e^60, about 1e26): far
+past any cap, so the capped weight is unchanged, and its statistics stay finite (a long sequence's
+summed log-difference overflowed float32 to inf, which is not valid JSON in the records)."""
 MISMATCH_FAR = math.log(2.0)
 """A token is far from the engine when its trainer log-prob differs by more than this (a 2x probability)."""
 

@@ -2,8 +2,9 @@
 
 With ``OptimConfig.packing`` each micro-batch runs as ONE padding-free row (:func:`packed_logprobs`):
 every sequence's real tokens back to back, positions restarting at 0 for each, a block-diagonal
-causal mask (transformers builds it from the position resets, or flash attention's variable-length
-path reads them), and with ``share_prompt`` each group's prompt once under an explicit 4-D mask
+causal mask (transformers builds it from the position resets since 4.53.1, the project's floor:
+before that one causal mask spanned the row and each sequence attended to the ones packed before it,
+0.07 nats off in a review's check; or flash attention's variable-length path reads them), and with ``share_prompt`` each group's prompt once under an explicit 4-D mask
 (:func:`pack_attention_mask`). The log-probs come back in :mod:`grpo_kit.logprobs`'s ``(B, T)``
 layout, so the loss is the same function of the same tensors. Micro-batches are cut by tokens
 (``micro_batch_tokens``, :func:`micro_batch_bounds`), and without explicit ``shard_sizes`` the ranks'

@@ -187,7 +187,9 @@ def grpo_step(
 
     ``model`` is a PEFT model (``world_size == 1``: no DDP, no ``torch.distributed`` call) or
     :func:`wrap_ddp` around one. ``max_len`` is dr_grpo's constant (pass the completion budget,
-    ``max_new_tokens``); None takes the longest completion in the batch. ``temperature`` is the
+    ``max_new_tokens``, or ``max_episode_tokens`` in a multi-turn run); None takes the batch's longest
+    count of scored tokens, which changes from step to step and leaves environment ids out: a
+    fallback for direct calls, not the paper's constant (the trainer always passes it). ``temperature`` is the
     sampling temperature: the policy and the KL reference are scored tempered
     (:func:`token_logprobs`), as the engines' sampling log-probs are. Completion tokens are the
     scored ones (``completion_mask``; an episode's environment ids are not): the normalizers, the

@@ -284,6 +284,24 @@ def test_engine_mismatch_weight_is_one_when_aligned():
         grpo_loss(logp, logp, None, adv, mask, sampling_logp=logp.detach(), is_mode="sequence")
 
 
+@pytest.mark.parametrize("is_mode", ["sequence_mask", "sequence_truncate"])
+def test_a_long_sequences_mismatch_weight_stays_finite_in_float32(is_mode):
+    """1,000 tokens each 0.1 nat above the engine sum to a log-weight of 100, past float32's exp
+    range: the statistics must stay finite (records are strict JSON) and the capped weight unchanged
+    (masked to 0, or the cap)."""
+    T = 1000
+    logp = torch.zeros(1, T, requires_grad=True)
+    mask = torch.ones(1, T, dtype=torch.long)
+    loss, st = grpo_loss(logp, logp.detach(), None, torch.ones(1), mask, sampling_logp=torch.full((1, T), -0.1),
+                         is_mode=is_mode, is_cap=2.0)
+    s = st.summary()
+    assert all(math.isfinite(s[k]) for k in ("is_mean", "is_min", "is_max")), s
+    assert s["is_capped_frac"] == 1.0 and s["is_max"] > 1e25
+    loss.backward()
+    expected = 0.0 if is_mode == "sequence_mask" else -2.0 / T  # grpo: the sequence mean of -w * A * ratio
+    assert logp.grad.abs().max().item() == pytest.approx(abs(expected), abs=1e-9)
+
+
 # ---------------------------------------------------------------- masks and empty sequences
 
 

@@ -101,7 +101,7 @@ def test_no_installed_package_is_readable_from_the_sandbox():
     for path in files:
         r = run_python(f"print(open({str(path)!r}).read()[:20])\n")
         assert not r.passed and "PermissionError" in r.reason, (path, r)
-    r = run_python("import os\nprint(len(os.listdir(%r)))\n" % str(base_site))  # names only: the directory is listed
+    r = run_python(f"import os\nprint(len(os.listdir({str(base_site)!r})))\n")  # names only: the directory is listed
     assert r.passed, r
     assert run_python("import decimal, json, hashlib, ssl, sqlite3, gzip, zoneinfo\nprint(decimal.Decimal(1) / 7)\n").passed
 
