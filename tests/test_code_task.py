@@ -60,6 +60,17 @@ def test_every_form_of_the_right_answer_scores_and_wrong_ones_do_not():
     assert scores[2].rule == "fenced+function" and scores[0].rule == "raw+body"
 
 
+def test_conversational_completions_score_as_their_text_and_prompts_need_the_code_head():
+    """TRL's conversational form: the completion is its last assistant message; a conversational
+    prompt holds no function head, so the rows' text column ``prompt`` must give it."""
+    conv = [[{"role": "assistant", "content": f"```python\n{FUNCTION}```"}], [{"role": "assistant", "content": "no"}]]
+    chat = [[{"role": "user", "content": "complete it"}]] * 2
+    scores = code_reward(chat, conv, [ROW["test"]] * 2, [ROW["entry_point"]] * 2, prompt=[ROW["prompt"]] * 2)
+    assert [s.score for s in scores] == [1.0, 0.0], [s.reason for s in scores]
+    with pytest.raises(TypeError, match="column 'prompt'"):
+        code_reward(chat, conv, [ROW["test"]] * 2, [ROW["entry_point"]] * 2)
+
+
 def test_split_is_fixed_and_disjoint():
     train, held = humaneval_problems("train"), humaneval_problems("heldout")
     assert (len(train), len(held)) == (131, 33)

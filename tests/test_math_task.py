@@ -92,6 +92,31 @@ COMMAS = [
 ]
 
 
+# (completion, gold, whether right): the marker line is read whole between $...$ as the gold is, unless it
+# holds words; a review found "#### 2^{5}" read as 2 (right for gold 2, wrong for 32) and a hedge passing
+MARKER_LINES = [
+    ("#### 2^{5}", "32", True),  # a power, read whole
+    ("#### 2^{5}", "2", False),  # ... not as its base
+    ("#### 10^{3}", "1000", True),
+    ("#### (1, 2)", "(1,2)", True),  # a tuple, not its last number
+    ("#### 3^{2} = 9", "9", True),  # an equation's value
+    ("#### x = 5", "5", True),
+    ("#### 72 dollars", "72", True),  # a number with a unit word: as before
+    ("#### 5 apples", "6", False),
+    ("#### 12 or 13", "13", False),  # a hedge: two numbers among words
+    ("#### 12 and 13", "12", False),
+    ("#### 1, 2 or 3", "3", False),
+    ("#### 72", "72", True),
+    ("#### 0.5", "1/2", True),
+]
+
+
+@pytest.mark.parametrize("completion,gold,ok", MARKER_LINES, ids=[f"{c} vs {g}" for c, g, _ in MARKER_LINES])
+def test_the_marker_line_is_read_whole_and_hedges_score_zero(completion, gold, ok):
+    (r,) = math_reward(["q"], [completion], [gold], timeout_s=PATIENT_S)
+    assert (r.correct, r.score) == (ok, float(ok)), r.reason
+
+
 def test_marker_commas_are_thousands_separators_only():
     rs = math_reward(["q"] * len(COMMAS), [c for c, _, _ in COMMAS], [g for _, g, _ in COMMAS], timeout_s=PATIENT_S)
     got = [(c, g, r.correct, r.score) for (c, g, _), r in zip(COMMAS, rs, strict=True)]

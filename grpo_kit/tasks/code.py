@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from ..data import Problem
 from ..reward import RewardResult
 from ..sandbox import SandboxLimits, run_tests
-from .base import Task
+from .base import Task, text_of
 
 INSTRUCTION = ("Complete the Python function above. Reply with the complete function, including its "
                "signature, in a single ```python code block.")
@@ -131,6 +131,10 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
     [1.0, 0.0]
     """
     heads = list(prompt) if prompt is not None else list(prompts)
+    if not all(isinstance(h, str) for h in heads):
+        raise TypeError("code_reward: conversational prompts hold no code to complete: give the rows a text "
+                        "column 'prompt' (HumanEval's function head), which the reward takes as `prompt`")
+    completions = [text_of(c) for c in completions]  # TRL's conversational completions too
     jobs = [(*split_program(h, c, t, e), e) for h, c, t, e in zip(heads, completions, test, entry_point, strict=True)]
     limits = SandboxLimits(timeout_s=timeout_s)
     workers = workers or min(32, 4 * (os.cpu_count() or 1))

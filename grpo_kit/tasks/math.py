@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -167,6 +168,12 @@ def _gold_text(gold: str) -> str:
     return g
 
 
+_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{2,}")
+"""A word (two letters or more, not a LaTeX command's name): "72 dollars" is read as math-verify
+reads text, its last number; "2^{5}", "x = 5" or "(1, 2)" are read whole between ``$`` delimiters."""
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+
+
 def _as_float(v) -> float | None:
     return v if isinstance(v, float) and math.isfinite(v) else None
 
@@ -193,6 +200,13 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
         if MARKER in c and stray_commas(pred):  # "#### 1,2345": math-verify would read 1234
             out.append(RewardResult(0.0, None, f"malformed number after {MARKER!r}: {pred[:20]!r}"))
             continue
+        if MARKER in c and "\\boxed" not in pred and "$" not in pred:
+            if _WORD.search(pred) and len(_NUMBER.findall(pred)) > 1:  # "#### 12 or 13": it would read the last
+                out.append(RewardResult(0.0, None, f"more than one number among words after {MARKER!r}: "
+                                                   f"{pred[:40]!r}"))
+                continue
+            if not _WORD.search(pred):  # a bare expression, read whole as the gold is ("2^{5}" is 32, not 2)
+                pred = f"${pred}$"
         ans = v.check(pred, _gold_text(g), timeout_s)
         parsed = _as_float(ans.get("value"))
         if "error" in ans:
