@@ -423,7 +423,18 @@ def test_a_trl_dataset_needs_no_mapping(tmp_path):
                                                         "log_extra", "log_metric"}
     # standard (text) rows: the prompt column by TRL's name, and the old mapping still works
     text = tasks.from_rows([{"prompt": "Say hi", "gold": "hi"}], _const(1.0), heldout_fraction=0).load("train", 1)[0]
-    assert (text.question, text.gold, text.messages, text.columns) == ("Say hi", "hi", None, {})
+    assert (text.question, text.gold, text.messages, text.columns) == ("Say hi", "hi", None, {"gold": "hi"})
+    # a gold column reaches the rewards as it is, as TRL passes it (it was made text: 4 became "4")
+    seen_gold = {}
+
+    def sees_gold(completions, gold, **kw):
+        seen_gold["gold"] = gold
+        return [1.0] * len(completions)
+
+    raw = [{"prompt": "2+2?", "gold": 4}, {"prompt": "list?", "gold": ["a", "b"]}, {"prompt": "none?", "gold": None}]
+    probs = sorted(tasks.from_rows(raw, sees_gold, heldout_fraction=0).load("train", 3), key=lambda p: p.id)
+    tasks.from_rows(raw, sees_gold, heldout_fraction=0).scorer().score_problems(probs, ["x"] * 3)
+    assert seen_gold["gold"] == [4, ["a", "b"], None] and [p.gold for p in probs] == ["4", "['a', 'b']", ""]
     mapped = tasks.from_rows([{"q": "Say hi", "a": "hi"}], _const(1.0), question="q", gold="a",
                              heldout_fraction=0).load("train", 1)[0]
     assert (mapped.question, mapped.gold, mapped.messages) == ("Say hi", "hi", None)

@@ -436,11 +436,12 @@ def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | 
 
 def problem_columns(problems: Sequence[Problem]) -> dict[str, list]:
     """``gold`` and every extra column, each a list aligned with ``problems`` (a column a problem
-    lacks is None there)."""
-    keys = sorted({k for p in problems for k in p.columns})
-    cols = {"gold": [p.gold for p in problems]}
+    lacks is None there). ``gold`` is the problem's raw ``columns["gold"]`` where it has one (a rows
+    task whose gold column is named ``gold``: TRL passes it unconverted), else :attr:`Problem.gold`."""
+    keys = sorted({k for p in problems for k in p.columns} - {"gold"})
+    cols = {"gold": [p.columns["gold"] if "gold" in p.columns else p.gold for p in problems]}
     for k in keys:
-        if k == "gold" or k in RESERVED:
+        if k in RESERVED:
             raise ValueError(f"problem column {k!r} clashes with a reward argument; rename it")
         cols[k] = [p.columns.get(k) for p in problems]
     return cols

@@ -160,6 +160,10 @@ def _problems(rows: list[dict], name: str, split: str, question: str | None, gol
             raise ValueError(f"{where} holds a conversation but row 0's is text: the rows must all take one form")
         elif not isinstance(q, str) or not q.strip():
             raise ValueError(f"{where} must be a non-empty string or a list of messages, got {q!r:.60}")
-        out.append(Problem(id=f"{name}-{split}-{i}", question=q, gold="" if gold is None else str(r.get(gold)),
-                           columns={c: r.get(c) for c in extra}, messages=messages))
+        g = None if gold is None else r.get(gold)
+        cols = {c: r.get(c) for c in extra}
+        if gold == "gold":  # TRL passes the column as it is (4, a list, None); Problem.gold is its text
+            cols["gold"] = g
+        out.append(Problem(id=f"{name}-{split}-{i}", question=q, gold="" if g is None else str(g),
+                           columns=cols, messages=messages))
     return out
