@@ -144,7 +144,10 @@ def _gsm8k_rows(source: str, split: str) -> Iterator[dict]:
         ds = datasets.load_dataset(source, "main", split=split)
     else:
         if path.is_dir():
-            files = sorted(p for p in path.iterdir() if p.stem.startswith(split) and p.suffix in (".jsonl", ".json", ".parquet"))
+            # "train.jsonl" or HF shards "train-00000-of-00001.parquet"; not OpenAI's "train_socratic.jsonl"
+            # (the same questions again, with other solutions: every problem would count twice)
+            files = sorted(p for p in path.iterdir() if re.fullmatch(rf"{split}(-\d+-of-\d+)?", p.stem)
+                           and p.suffix in (".jsonl", ".json", ".parquet"))
             if not files:
                 raise FileNotFoundError(f"no {split}.jsonl or {split}*.parquet in {path}")
         elif path.is_file():

@@ -357,7 +357,7 @@ class EpisodeRunner:
             ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
         ep.prompt_messages = len(ep.messages)  # the renderer may have added the tools' system message
-        ep.prompt_ids = self.renderer.encode(live.history)
+        ep.prompt_ids = getattr(self.renderer, "encode_prompt", self.renderer.encode)(live.history)  # plain: a BOS too
         if len(ep.prompt_ids) + self.turn_tokens > self.engine.max_model_len:
             raise ValueError(f"problem {p.id!r}: prompt of {len(ep.prompt_ids)} tokens + max_turn_tokens="
                              f"{self.turn_tokens} exceeds the engine's context of {self.engine.max_model_len}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,8 @@ class Batch:
     """Unix time the batch was in."""
     task_resubmits: int = 0
     """Tasks resubmitted after ``KilledWorker`` since the previous record (``remote.TaskRetries``)."""
+    discarded: list[dict] = field(default_factory=list)
+    """The chunk summaries of a batch dropped as too stale (its device time counts in the cost)."""
 
 
 @dataclass
@@ -89,7 +91,7 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
     iter_end = time.time()
     gen_s = max(r["end"] for r in results) - min(r["start"] for r in results)
     # device-seconds: each rollout task's time on its worker, and the gang's wall time on every rank
-    gen_device_s = sum(r["end"] - r["start"] for r in results)
+    gen_device_s = sum(r["end"] - r["start"] for r in [*results, *batch.discarded])  # a discarded batch cost too
     train_device_s = (t_train_end - t_train) * cfg.cluster.world_size if step.trained else 0.0
     cost_s, cost = usable_cost(gen_device_s + train_device_s, usable, cfg.run.price_per_hour)
     dyn = batch.dyn or {"gen_batches": 1, "dropped_groups": 0, "carried_in_groups": 0, "carried_out_groups": 0,

@@ -94,8 +94,11 @@ class PromptFormat:
         return data.format_prompt(prompt, self.instruction) if isinstance(prompt, str) else self.plain(prompt)
 
     def encode(self, tokenizer, prompt: str | Sequence[dict]) -> list[int]:
-        """The prompt's token ids (the rendered text carries any special tokens itself)."""
-        return list(tokenizer.encode(self.render(tokenizer, prompt), add_special_tokens=False))
+        """The prompt's token ids. A chat template's text carries its special tokens itself (a BOS
+        included, where the template writes one); the plain text gets the tokenizer's own (a Llama,
+        Gemma or Mistral base model's BOS), as TRL tokenizes a plain prompt (``processing_class(text=...)``)."""
+        text = self.render(tokenizer, prompt)
+        return list(tokenizer.encode(text, add_special_tokens=not self.uses_chat(tokenizer)))
 
 
 def prompt_of(p: data.Problem) -> str | list[dict]:

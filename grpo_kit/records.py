@@ -263,7 +263,7 @@ class MetricsRecord(TypedDict, total=False):
     usable_cost: float | None
     """Money per usable sample (``price_per_hour`` units; None without a price)."""
     gen_device_s: float
-    """Seconds the rollout tasks ran, summed over workers."""
+    """Seconds the rollout tasks ran, summed over workers (a batch discarded as too stale included)."""
     train_device_s: float
     """The training step's wall time times the trainer ranks."""
     rollout_workers: int

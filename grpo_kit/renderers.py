@@ -195,6 +195,11 @@ class PlainRenderer:
         user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
         return "".join(f"{line}\n" for line in lines) + f"Question: {user}\nAnswer:\n"  # data.PROMPT_TEMPLATE
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """The prompt's ids with the tokenizer's own special tokens (a BOS), as a plain single-turn
+        prompt is encoded (:meth:`grpo_kit.prompts.PromptFormat.encode`)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
     def extend(self, messages: list[dict], history: str, schemas: Sequence[dict]) -> str:
         tail = []
         for m in reversed(messages):

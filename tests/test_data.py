@@ -35,6 +35,16 @@ def test_gsm8k_malformed_rows_named_or_skipped(tmp_path):
     assert [p.gold for p in got] == ["3", "1200"] and got.skipped == [1, 2]
 
 
+def test_gsm8k_folder_loads_only_its_split_files_not_the_socratic_ones(tmp_path):
+    """OpenAI's grade_school_math/data holds train.jsonl and train_socratic.jsonl (the same questions
+    with other solutions): only the first is the split; HF's parquet shards are too."""
+    for name, answer in (("train", "x\n#### 3"), ("train_socratic", "How? x\n#### 3"), ("test", "y\n#### 4")):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps({"question": "Q1?", "answer": answer}) + "\n")
+    got = data.load_gsm8k(str(tmp_path), "train")
+    assert [(p.id, p.gold) for p in got] == [("gsm8k-train-0", "3")]
+    assert len(data.load_gsm8k(str(tmp_path), "test")) == 1
+
+
 def test_gsm8k_missing_path_is_clear():
     with pytest.raises(FileNotFoundError, match="neither"):
         data.load_gsm8k("./no/such/dir", "train")

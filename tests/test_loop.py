@@ -414,6 +414,9 @@ def test_deeper_pipeline_paces_or_discards(tmp_path, client, monkeypatch):
     # a batch is discarded exactly when it was sampled more than max_staleness behind the trainer
     p, trainer = discard.sampling.prompts_per_step, [r["version"] - 1 for r in res.records]
     assert [r["rejected_groups"] for r in res.records] == [p if trainer[it] - sampled[it] > 1 else 0 for it in range(5)]
+    for r in res.records:  # a discarded batch's generation counts in the device time (and so in the cost)
+        kept = sum(sp["end"] - sp["start"] for sp in r["spans"] if sp["name"] == "generate")
+        assert (r["gen_device_s"] > kept + 1e-6) if r["rejected_groups"] else r["gen_device_s"] == pytest.approx(kept)
     assert res.summary["rejected_groups"] == sum(r["rejected_groups"] for r in res.records)
     _assert_groups_exact(tmp_path / "discard", discard)  # a discarded batch is neither trained nor lost
     # a chunk started now samples from the newest version (5), not the one it was submitted with (0)
@@ -571,6 +574,11 @@ def test_a_version_is_evaluated_only_once_the_run_state_commits_it(tmp_path, cli
 
 @pytest.mark.parametrize("dynamic,multi_turn", [(False, False), (True, False), (True, True)],
                          ids=["plain", "dynamic", "multi-turn-dynamic"])
+def _rollout_keys(dask_scheduler=None) -> list[str]:
+    """The rollout tasks the scheduler still has (run on the scheduler)."""
+    return [str(k) for k in dask_scheduler.tasks if "-rollout-" in str(k)]
+
+
 def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, dynamic, multi_turn):
     """Killed after an iteration and resumed on trainer workers that lost their state (adapter and
     optimizer state reloaded from the store, as after a restart), a pipelined run ends where the
@@ -606,8 +614,15 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, 
         if rec["iteration"] == kill:
             raise _Stop
 
-    with pytest.raises(_Stop):
+    with pytest.raises(_Stop) as stopped:
         loop.run(part, client=client, callbacks=[die_after], progress=False, task=task)
+    # the failed run's generations in flight were cancelled, though its traceback (as a notebook's would)
+    # still holds the driver: none of its tasks is left to hold the workers the resumed run needs
+    assert stopped.traceback is not None
+    deadline = time.time() + 30
+    while client.run_on_scheduler(_rollout_keys) and time.time() < deadline:
+        time.sleep(0.1)
+    assert client.run_on_scheduler(_rollout_keys) == []
     dropped = client.run(trainer.drop_state, workers=cl.workers_with(client, cl.TRAINER))
     assert list(dropped.values()) == [True, True]
     res = loop.run(part, client=client, resume=True, progress=False, task=task)

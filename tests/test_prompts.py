@@ -153,3 +153,25 @@ def test_stop_string_ending_in_a_multibyte_character(which, text, stop, tiny_tok
     for finish, tail in (("stop", [tok.eos_token_id]), ("length", [])):
         cut = cut_completion(tok, ids + tail, finish, (stop,))
         assert (cut.n_tokens, cut.finish_reason, cut.stop, cut.text) == (shortest, "stop", stop, text[: text.index(stop)])
+
+
+def test_a_plain_prompt_gets_the_tokenizers_bos_as_trl_gives_it():
+    """A Llama-style tokenizer adds a BOS; a plain prompt (no chat template) has no BOS in its text,
+    so it is tokenized with the tokenizer's special tokens, as TRL tokenizes it; the multi-turn plain
+    renderer does the same. The built-in models' tokenizers add none (their ids do not change)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from grpo_kit.renderers import PlainRenderer
+
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    for w in "Question : What is 2 + ? Give the final answer as '#### <integer>' . Answer".split():
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fmt = PromptFormat(chat_template="never")
+    ids = fmt.encode(tok, "What is 2 + 2?")
+    assert ids == tok(fmt.render(tok, "What is 2 + 2?"))["input_ids"] and ids[0] == tok.bos_token_id
+    assert PlainRenderer(tok).encode_prompt("Question: What is 2 + 2?")[0] == tok.bos_token_id
