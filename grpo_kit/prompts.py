@@ -141,25 +141,29 @@ class Cut:
 def cut_completion(tokenizer, ids: Sequence[int], finish_reason: str, stop: Sequence[str] = ()) -> Cut:
     """Apply the stop strings to a completion that ended by EOS (``"stop"``, EOS last) or length.
 
-    The earliest stop string in the decoded text wins; the kept tokens are the shortest prefix whose
-    text contains it (found by bisection over prefix decodes, which grow monotonically). Containment,
-    not length: a prefix that ends inside a multi-byte character decodes to U+FFFD, as long as the
-    character it has not finished.
+    The stop string completed first wins, as a sampler that checks after each token stops (vLLM,
+    ``sample_ids``), so a completion cut after the fact (HF ``generate``) keeps the same tokens; among
+    those the same token completes, the one that starts earliest. The kept tokens are the shortest
+    prefix whose text contains a stop string (found by bisection over prefix decodes, which grow
+    monotonically). Containment, not length: a prefix that ends inside a multi-byte character decodes
+    to U+FFFD, as long as the character it has not finished.
     """
     ids = list(ids)
     body = ids[:-1] if finish_reason == "stop" else ids
     text = tokenizer.decode(body, skip_special_tokens=True)
-    hits = [(text.find(s), s) for s in stop if s and s in text]
-    if not hits:
+    live = [s for s in stop if s and s in text]
+    if not live:
         return Cut(len(ids), finish_reason, None, text)
-    at, s = min(hits)
-    lo, hi = 1, len(body)  # smallest k with s in decode(body[:k])
+    lo, hi = 1, len(body)  # smallest k with a stop string in decode(body[:k])
     while lo < hi:
         mid = (lo + hi) // 2
-        if s in tokenizer.decode(body[:mid], skip_special_tokens=True):
+        head = tokenizer.decode(body[:mid], skip_special_tokens=True)
+        if any(s in head for s in live):
             hi = mid
         else:
             lo = mid + 1
+    head = tokenizer.decode(body[:lo], skip_special_tokens=True)
+    at, s = min((head.find(s), s) for s in live if s in head)
     return Cut(lo, "stop", s, text[:at])
 
 

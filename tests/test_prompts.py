@@ -136,6 +136,13 @@ def test_stop_strings_cut_at_the_completing_token(which, tiny_tok, smol_tok):
     assert (cut.stop, cut.text) == ("####", "7+5=12\n")
     # a stop string that never occurs changes nothing
     assert cut_completion(tok, ids, "length", ("STOP",)).n_tokens == len(ids)
+    # overlapping stop strings: the one completed first wins (where a sampler checking after each token
+    # stops), not the one starting first, so a completion cut afterwards keeps what vLLM would have
+    for stop in (("\nQuestion: What", "Question"), ("Question", "\nQuestion: What")):
+        cut = cut_completion(tok, ids, "length", stop)
+        first = next(k for k in range(1, len(ids) + 1) if any(x in tok.decode(ids[:k]) for x in stop))
+        assert (cut.n_tokens, cut.stop) == (first, "Question") and cut.text == "7+5=12\n#### 12\n\n"
+        assert cut_completion(tok, ids[:first], "length", stop) == cut  # the same cut on what vLLM returns
 
 
 @pytest.mark.parametrize("which", ["tiny", "smol"])
