@@ -354,11 +354,11 @@ class Scorer:
         for k, fn in enumerate(self.rewards):
             stage = RewardLog(n)
             out, err = self._call(fn, kwargs, stage)
-            if err is None and as_list(out) is None:
-                err = f"returned {type(out).__name__}, expected a list of {n}"
-            elif err is None:
-                out = as_list(out)  # a numpy array or a tensor as TRL iterates it
-                if len(out) != n:
+            if err is None:  # a numpy array or a tensor is taken as TRL iterates it
+                got, out = out, as_list(out)
+                if out is None:
+                    err = f"returned {type(got).__name__}, expected a list of {n}"
+                elif len(out) != n:
                     err = f"returned {len(out)} values, expected a list of {n}"
             if err is None:
                 log.merge(stage)

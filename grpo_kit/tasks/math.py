@@ -201,12 +201,12 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
             out.append(RewardResult(0.0, None, f"malformed number after {MARKER!r}: {pred[:20]!r}"))
             continue
         if MARKER in c and "\\boxed" not in pred and "$" not in pred:
-            if _WORD.search(pred) and len(_NUMBER.findall(pred)) > 1:  # "#### 12 or 13": it would read the last
+            if not _WORD.search(pred):  # a bare expression, read whole as the gold is ("2^{5}" is 32, not 2)
+                pred = f"${pred}$"
+            elif len(_NUMBER.findall(pred)) > 1:  # "#### 12 or 13": math-verify would read the last
                 out.append(RewardResult(0.0, None, f"more than one number among words after {MARKER!r}: "
                                                    f"{pred[:40]!r}"))
                 continue
-            if not _WORD.search(pred):  # a bare expression, read whole as the gold is ("2^{5}" is 32, not 2)
-                pred = f"${pred}$"
         ans = v.check(pred, _gold_text(g), timeout_s)
         parsed = _as_float(ans.get("value"))
         if "error" in ans:
