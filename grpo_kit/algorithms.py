@@ -23,6 +23,13 @@ Advantage contract::
   them; :func:`zero_flat_groups` does it. The one exception is a baseline from outside the group
   (``reinforce_pp_global``): there a flat group carries signal, which dynamic sampling (it drops
   groups without reward spread) and the records' usable-sample counts (groups with spread) do not see.
+- Unscorable completions (no reward function applied to them: reward None, TRL's all-NaN row) get
+  advantage 0 and must not move their group's baseline. An estimator that declares
+  ``takes_unscorable`` (``register_advantage(name, takes_unscorable=True)`` or
+  ``fn.takes_unscorable = True``; all the built-ins do) receives them as NaN and leaves them out, as
+  TRL's ``nanmean``/``nanstd`` do. Any other receives each as its group's mean of the scored rewards
+  (0 where none is scored): exact for a group-mean baseline, while a std or leave-one-out mean then
+  counts the filled values too. Either way :func:`compute_advantages` puts their advantages to 0.
 
 Policy-loss contract::
 
@@ -78,6 +85,7 @@ from grpo_kit.loss import (
     group_advantages,
     grpo_loss,
     mismatch_weight,
+    scored_groups,
     token_stats,
 )
 
@@ -108,11 +116,15 @@ def register_policy_loss(name: str, *, zero_adv_is_zero: bool = False) -> Callab
     return deco
 
 
-def register_advantage(name: str) -> Callable[[Advantage], Advantage]:
-    """Decorator: register an advantage estimator under ``name`` (module docstring: the contract)."""
+def register_advantage(name: str, *, takes_unscorable: bool = False) -> Callable[[Advantage], Advantage]:
+    """Decorator: register an advantage estimator under ``name`` (module docstring: the contract).
+    ``takes_unscorable``: it receives unscorable completions' rewards as NaN and leaves them out
+    (else they arrive filled with their group's mean)."""
     _check_name(name)
 
     def deco(fn: Advantage) -> Advantage:
+        if takes_unscorable:
+            fn.takes_unscorable = True
         ADVANTAGES[name] = fn
         return fn
 
@@ -191,10 +203,10 @@ def skips_zero_adv(fn: PolicyLoss) -> bool:
 
 
 def zero_flat_groups(adv: Tensor, rewards: Tensor, group_size: int) -> Tensor:
-    """``adv`` (N,) with exactly 0 in every group whose rewards are all equal."""
-    groups = rewards.view(-1, group_size)  # (G, group_size)
-    flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # (G, 1)
-    return torch.where(flat, 0.0, adv.view(-1, group_size)).reshape(-1)  # (N,)
+    """``adv`` (N,) with exactly 0 in every group whose scored rewards are all equal (or fewer than
+    two), and on every unscorable completion (NaN reward)."""
+    _, scored, _, flat = scored_groups(rewards, group_size)  # (G, group_size), (G, 1)
+    return torch.where(flat | ~scored, 0.0, adv.view(-1, group_size)).reshape(-1)  # (N,)
 
 
 def _check_groups(rewards: Tensor, group_size: int, need: int = 1) -> None:
@@ -208,7 +220,7 @@ def _check_groups(rewards: Tensor, group_size: int, need: int = 1) -> None:
 # ---------------------------------------------------------------- advantage estimators
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", takes_unscorable=True)
 def grpo_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     """GRPO's ``(r - group mean) / (std + 1e-4)``, the std per ``cfg.adv_scale`` (today's default).
     TRL: ``advantages = rewards - mean_grouped_rewards`` then ``/ (std_rewards + 1e-4)``
@@ -216,27 +228,31 @@ def grpo_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     return group_advantages(rewards, group_size, scale=cfg.adv_scale)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", takes_unscorable=True)
 def dr_grpo_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like training", eq. 3): ``r - group mean``,
     no std (TRL's ``scale_rewards="none"``); the same as ``adv_scale="none"``, as a name."""
     return group_advantages(rewards, group_size, scale="none")
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", takes_unscorable=True)
 def rloo_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     """RLOO's leave-one-out baseline (Ahmadian et al. 2024): ``A_i = r_i - mean_{j != i} r_j``, which
     is ``G / (G - 1) * (r_i - group mean)``; verl's ``compute_rloo_outcome_advantage``
     (``verl/trainer/ppo/core_algos.py``: ``scores[i] * response_num / (response_num - 1) -
-    id2mean[index[i]] * response_num / (response_num - 1)``). Unscaled; needs ``group_size >= 2``."""
+    id2mean[index[i]] * response_num / (response_num - 1)``). Unscaled; needs ``group_size >= 2``.
+    With unscorable completions "the others" are the group's other scored completions."""
     _check_groups(rewards, group_size, need=2)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
-    groups = r.view(-1, group_size)  # (G, group_size)
-    loo = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # (G, group_size) the others' mean
+    groups, _, count, _ = scored_groups(r, group_size)  # (G, group_size), (G, 1)
+    if bool((count == group_size).all()):
+        loo = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # (G, group_size) the others' mean
+    else:
+        loo = (groups.sum(dim=1, keepdim=True) - groups) / (count - 1).clamp(min=1)
     return zero_flat_groups((groups - loo).reshape(-1), r, group_size)
 
 
-@register_advantage("reinforce_pp")
+@register_advantage("reinforce_pp", takes_unscorable=True)
 def reinforce_pp_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     """REINFORCE++ with its group baseline (Hu et al. 2025, "REINFORCE++-baseline"): subtract the
     group mean, then whiten over the whole batch, ``(x - batch mean) / (batch std + 1e-8)``; verl's
@@ -248,12 +264,14 @@ def reinforce_pp_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) ->
     per-token reference log-probs, which an estimator does not receive)."""
     _check_groups(rewards, group_size)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
-    x = (r.view(-1, group_size) - r.view(-1, group_size).mean(dim=1, keepdim=True)).reshape(-1)  # (N,)
-    std = x.std() if x.numel() > 1 else x.new_zeros(())
-    return zero_flat_groups((x - x.mean()) / (std + 1e-8), r, group_size)
+    groups, scored, count, _ = scored_groups(r, group_size)  # (G, group_size), ..., (G, 1)
+    x = (groups - groups.sum(dim=1, keepdim=True) / count.clamp(min=1)).reshape(-1)  # (N,)
+    kept = x[scored.reshape(-1)]  # whitened over the scored completions
+    std = kept.std() if kept.numel() > 1 else x.new_zeros(())
+    return zero_flat_groups((x - (kept.mean() if kept.numel() else 0.0)) / (std + 1e-8), r, group_size)
 
 
-@register_advantage("reinforce_pp_global")
+@register_advantage("reinforce_pp_global", takes_unscorable=True)
 def reinforce_pp_global_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     """REINFORCE++ with its global baseline (Hu et al. 2025, "REINFORCE++", global advantage
     normalization): no group mean, the rewards whitened over the whole batch,
@@ -264,8 +282,11 @@ def reinforce_pp_global_advantage(rewards: Tensor, group_size: int, cfg: LossCon
     (module docstring). A batch without any spread gets exactly 0."""
     _check_groups(rewards, group_size)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
-    std = r.std() if r.numel() > 1 else r.new_zeros(())
-    return torch.where(r.amax() == r.amin(), 0.0, (r - r.mean()) / (std + 1e-8))  # (N,)
+    scored = ~torch.isnan(r)
+    kept = r[scored]
+    if kept.numel() < 2 or kept.amax() == kept.amin():
+        return torch.zeros_like(r)
+    return torch.where(scored, (r - kept.mean()) / (kept.std() + 1e-8), 0.0)  # (N,)
 
 
 PRESETS: dict[str, dict[str, str]] = {
@@ -282,16 +303,24 @@ whole, unscaled advantages with its constant normalizer (TRL's ``loss_type="dr_g
 
 
 def compute_advantages(fn: Advantage, rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
-    """``fn``'s advantages for ``rewards`` (N,), checked against the contract (shape, finite)."""
+    """``fn``'s advantages for ``rewards`` (N,), checked against the contract (shape, finite), with
+    0 on the unscorable completions (NaN rewards; module docstring: how ``fn`` receives them)."""
     if rewards.numel() == 0:
         return rewards.new_zeros((0,))
-    adv = fn(rewards, group_size, cfg)
+    unscorable = torch.isnan(rewards)
+    given = rewards
+    if bool(unscorable.any()) and not getattr(fn, "takes_unscorable", False):
+        _check_groups(rewards, group_size)
+        groups, scored, count, _ = scored_groups(rewards, group_size)  # (G, group_size), ..., (G, 1)
+        mean = groups.sum(dim=1, keepdim=True) / count.clamp(min=1)  # (G, 1); 0 where none is scored
+        given = torch.where(scored, groups, mean).reshape(-1)
+    adv = fn(given, group_size, cfg)
     if not isinstance(adv, Tensor) or adv.shape != rewards.shape:
         raise ValueError(f"advantage estimator {reference(fn)} returned {getattr(adv, 'shape', type(adv))}, "
                          f"not one advantage per reward {tuple(rewards.shape)}")
-    if not bool(torch.isfinite(adv).all()):
+    if not bool(torch.isfinite(adv[~unscorable]).all()):
         raise ValueError(f"advantage estimator {reference(fn)} returned non-finite advantages")
-    return adv
+    return torch.where(unscorable, 0.0, adv) if bool(unscorable.any()) else adv
 
 
 # ---------------------------------------------------------------- policy losses

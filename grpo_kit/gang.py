@@ -17,6 +17,7 @@ was re-formed since (a failure of an earlier step) is submitted again when it is
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -194,9 +195,12 @@ def batch_samples(scored: list[dict], picks: list[tuple[int, int]], group_size: 
     >>> chunk["rollouts"][0]["mask"] = [1]
     >>> batch_samples([chunk], [(0, 0), (0, 1)], 2, "none")
     [([1], [2], [-0.5], 0.5, [1]), ([1], [2], [-0.5], -0.5)]
+    >>> unscorable = {"rollouts": [{"prompt_ids": [1], "completion_ids": [2], "logprobs": [-0.5], "reward": r} for r in (1.0, None, 0.0)]}
+    >>> [s[3] for s in batch_samples([unscorable], [(0, 0), (0, 1), (0, 2)], 3, "none")]
+    [0.5, 0.0, -0.5]
     """
     rows = [scored[c]["rollouts"][i] for c, i in picks]
-    rewards = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    rewards = torch.tensor([math.nan if r["reward"] is None else r["reward"] for r in rows], dtype=torch.float64)
     if not rows:
         adv = []
     elif advantage is None:

@@ -618,7 +618,7 @@ class _Driver:
             cb(rec)
         self.trackers.on_record(rec)
         bar.update(1)
-        bar.set_postfix(reward=f"{rec['reward_mean']:.2f}", acc=_fmt(self.last_eval()), v=rec["version"])
+        bar.set_postfix(reward=_fmt(rec['reward_mean']), acc=_fmt(self.last_eval()), v=rec["version"])
 
     def last_eval(self):
         evs = [e for e in self.state["evals"] if e["version"] > 0 and "set" not in e]

@@ -52,8 +52,14 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     equal its rewards (the mean of six 0.1s is not 0.1), and a residue of 1e-13 would count as an
     advantage where the trainer skips rows with none.
 
+    A NaN reward is an unscorable completion (no reward function applied; TRL's all-NaN row): it is
+    left out of its group's mean and std and of the batch's std, and its advantage is 0, as TRL's
+    ``nanmean``/``nanstd`` and ``nan_to_num`` do. A group with fewer than two rewards has no spread.
+
     >>> group_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), 2, scale="none")
     tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    >>> group_advantages(torch.tensor([1.0, float("nan"), 0.0, 0.0]), 4, scale="none")
+    tensor([ 0.6667,  0.0000, -0.3333, -0.3333])
     """
     if scale not in ADV_SCALES:
         raise ValueError(f"scale must be one of {ADV_SCALES}, got {scale!r}")
@@ -67,6 +73,8 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     if scale == "group" and group_size < 2:
         raise ValueError("scale='group' needs group_size >= 2 (the std of one reward is undefined)")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
+    if bool(torch.isnan(r).any()):
+        return _group_advantages_unscorable(r, group_size, scale, eps)
     groups = r.view(-1, group_size)  # (G, group_size)
     centered = groups - groups.mean(dim=1, keepdim=True)  # (G, group_size)
     if scale == "group":
@@ -76,6 +84,32 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
         centered = centered / (std + eps)
     flat = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # (G, 1) no reward spread
     return torch.where(flat, 0.0, centered).reshape(-1)  # (N,)
+
+
+def scored_groups(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-group views of rewards (N,) with NaN for unscorable completions: ``groups`` (G, group_size)
+    with NaN put to 0, ``scored`` (G, group_size) bool, ``count`` (G, 1) the scored per group, and
+    ``flat`` (G, 1): fewer than two scored or all scored equal (no reward spread)."""
+    groups = rewards.view(-1, group_size)  # (G, group_size)
+    scored = ~torch.isnan(groups)
+    count = scored.sum(dim=1, keepdim=True)  # (G, 1)
+    hi = torch.where(scored, groups, -torch.inf).amax(dim=1, keepdim=True)
+    lo = torch.where(scored, groups, torch.inf).amin(dim=1, keepdim=True)
+    flat = (count < 2) | (hi == lo)  # (G, 1)
+    return torch.where(scored, groups, 0.0), scored, count, flat
+
+
+def _group_advantages_unscorable(r: Tensor, group_size: int, scale: str, eps: float) -> Tensor:
+    groups, scored, count, flat = scored_groups(r, group_size)  # (G, group_size), ..., (G, 1), (G, 1)
+    mean = groups.sum(dim=1, keepdim=True) / count.clamp(min=1)  # (G, 1) over the scored
+    centered = torch.where(scored, groups - mean, 0.0)  # (G, group_size)
+    if scale == "group":  # unbiased, as TRL's nanstd
+        centered = centered / ((centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt() + eps)
+    elif scale == "batch":
+        kept = r[~torch.isnan(r)]
+        std = kept.std() if kept.numel() > 1 else r.new_zeros(())
+        centered = centered / (std + eps)
+    return torch.where(flat | ~scored, 0.0, centered).reshape(-1)  # (N,)
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,9 @@ record adds its episodes' counts (:func:`episode_metrics`); a single-turn run's 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from .config import Config
 from .episode import END_REASONS
@@ -88,6 +87,7 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
                       "end": r0["end"]})
     n_rollouts = len(rollouts)
     usable = usable_samples(picked)
+    rewards = [r.reward for r in rollouts if r.reward is not None]  # unscorable ones have none
     iter_end = time.time()
     gen_s = max(r["end"] for r in results) - min(r["start"] for r in results)
     # device-seconds: each rollout task's time on its worker, and the gang's wall time on every rank
@@ -100,8 +100,9 @@ def iteration_record(cfg: Config, batch: Batch, step: Step, version: int, base_a
             "iteration": it,
             "version": version,
             "rollout_version": batch.rollout_version,
-            "reward_mean": float(torch.tensor([r.reward for r in rollouts]).mean()) if rollouts else None,
-            "reward_std": float(torch.tensor([r.reward for r in rollouts]).std()) if n_rollouts > 1 else None,
+            "reward_mean": statistics.fmean(rewards) if rewards else None,
+            "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else None,
+            "unscorable": n_rollouts - len(rewards),
             "train_acc": sum(bool(r.correct) for r in rollouts) / max(1, n_rollouts),
             "train_lenient_acc": sum(bool(r.lenient_correct) for r in rollouts) / max(1, n_rollouts),
             "reward_components": component_means(rollouts),

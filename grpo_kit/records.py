@@ -154,9 +154,11 @@ class MetricsRecord(TypedDict, total=False):
     statistics only, no rewards or timings."""
     # rewards and accuracy
     reward_mean: float | None
-    """Mean reward over the batch's completions."""
+    """Mean reward over the batch's completions that have one (None where none has)."""
     reward_std: float | None
-    """Standard deviation of the rewards (None for a single completion)."""
+    """Standard deviation of those rewards (None for fewer than two)."""
+    unscorable: int
+    """Completions no reward function applied to (reward None, advantage 0; :mod:`grpo_kit.tasks.base`)."""
     train_acc: float
     """Share of the batch's completions graded correct (strict)."""
     train_lenient_acc: float

@@ -2,7 +2,9 @@
 
 A group whose completions all got the same reward has advantage 0 on every completion
 (:func:`~grpo_kit.loss.group_advantages`), so its policy-gradient term is 0 in value and gradient.
-Its *usable* samples are none; a group with reward spread contributes all of its completions.
+Its *usable* samples are none; a group with reward spread contributes all of its completions that
+have a reward. An unscorable completion (reward None: no reward function applied; TRL's all-NaN
+row, :mod:`grpo_kit.tasks.base`) is left out of its group's spread and gets advantage 0.
 
 Dynamic sampling (DAPO, verl's ``filter_groups``; ``SamplingConfig.dynamic_sampling``) drops the
 zero-spread groups before training and fills the batch with usable groups from more generation
@@ -41,8 +43,8 @@ from .rollout import RolloutSummary
 class Group:
     """One prompt's completions as dynamic sampling sees them (the completions themselves ride in ``payload``)."""
 
-    rewards: tuple[float, ...]
-    """Reward of each completion."""
+    rewards: tuple[float | None, ...]
+    """Reward of each completion (None: unscorable)."""
     version: int
     """Adapter version that sampled the group."""
     tokens: int = 0
@@ -53,19 +55,25 @@ class Group:
     @property
     def has_spread(self) -> bool:
         """Some completion scored differently from another: the group has a policy gradient."""
-        return len(self.rewards) > 1 and max(self.rewards) > min(self.rewards)
+        scored = self.scored
+        return len(scored) > 1 and max(scored) > min(scored)
+
+    @property
+    def scored(self) -> tuple[float, ...]:
+        """The rewards of the completions that have one."""
+        return tuple(r for r in self.rewards if r is not None)
 
     def __len__(self) -> int:
         return len(self.rewards)
 
 
 def usable_samples(groups: Sequence[Group]) -> int:
-    """Completions in groups with reward spread.
+    """Completions with a reward in groups with reward spread.
 
-    >>> usable_samples([Group((1.0, 0.0), 0), Group((1.0, 1.0), 0), Group((0.5, 0.0, 0.5), 0)])
-    5
+    >>> usable_samples([Group((1.0, 0.0), 0), Group((1.0, 1.0), 0), Group((0.5, 0.0, 0.5), 0), Group((1.0, None, 0.0), 0)])
+    7
     """
-    return sum(len(g) for g in groups if g.has_spread)
+    return sum(len(g.scored) for g in groups if g.has_spread)
 
 
 @dataclass(frozen=True)
@@ -159,6 +167,6 @@ def groups_of(results: list[dict], scored: list | None, group_size: int) -> list
         rs = sorted(by[gid], key=lambda x: x[0].sample_idx)
         if len(rs) != group_size:
             raise RuntimeError(f"group {gid} has {len(rs)} completions, not group_size={group_size}")
-        out.append(Group(tuple(float(r.reward) for r, _, _ in rs), rs[0][0].version,
+        out.append(Group(tuple(None if r.reward is None else float(r.reward) for r, _, _ in rs), rs[0][0].version,
                          sum(r.completion_tokens for r, _, _ in rs), rs))
     return out

@@ -171,25 +171,40 @@ def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 def eval_scalars(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Evaluation results as scalars: each number as ``eval/<field>`` (``eval/<name>/<field>`` for a
-    named eval set), the newest version's last; and, as a record names them, ``base_acc`` for the base
-    model's and ``eval_acc``/``eval_lenient_acc``/``eval_version`` for a trained version's.
+    """Evaluation results as scalars: each number as ``eval/<field>`` (``eval/<set>/<field>`` for
+    another eval set's, :attr:`~grpo_kit.config.DataConfig.eval_sets`; a dict of numbers such as
+    ``pass_at`` as ``eval/pass_at/<k>``), the newest version's last; and, for the task's own set, as a
+    record names them (:func:`grpo_kit.evals.attach`), ``base_acc`` for the base model's and
+    ``eval_acc``/``eval_lenient_acc``/``eval_version`` (``eval_pass_at_k``/``eval_maj_acc`` when
+    sampled) for a trained version's.
 
-    >>> eval_scalars([{"version": 0, "acc": 0.25, "start": 1.0}, {"version": 2, "acc": 0.5}])
-    {'eval/version': 2.0, 'eval/acc': 0.5, 'base_acc': 0.25, 'eval_acc': 0.5, 'eval_version': 2.0}
+    >>> eval_scalars([{"version": 0, "acc": 0.25, "start": 1.0}, {"version": 2, "acc": 0.5},
+    ...               {"version": 2, "acc": 0.9, "set": "math500"}])
+    {'eval/version': 2.0, 'eval/acc': 0.5, 'base_acc': 0.25, 'eval_acc': 0.5, 'eval_version': 2.0, 'eval/math500/version': 2.0, 'eval/math500/acc': 0.9}
     """
     out: dict[str, float] = {}
     for res in sorted(results, key=lambda r: r.get("version", 0)):
-        prefix = f"eval/{res['name']}/" if isinstance(res.get("name"), str) else "eval/"
+        own = not isinstance(res.get("set"), str)
+        prefix = "eval/" if own else f"eval/{res['set']}/"
         for k, v in res.items():
-            if k not in ("iteration", "start", "end") and (x := _number(v)) is not None:
+            if k in ("iteration", "start", "end", "set"):
+                continue
+            if isinstance(v, Mapping):
+                out.update({f"{prefix}{k}/{kk}": x for kk, vv in v.items() if (x := _number(vv)) is not None})
+            elif (x := _number(v)) is not None:
                 out[prefix + k] = x
-        if res.get("version") == 0 and _number(res.get("acc")) is not None:
+        if not own or _number(res.get("acc")) is None:
+            continue
+        if res.get("version") == 0:
             out["base_acc"] = float(res["acc"])
-        elif prefix == "eval/" and _number(res.get("acc")) is not None:
-            out.update({"eval_acc": float(res["acc"]), "eval_version": float(res["version"])})
-            if _number(res.get("lenient_acc")) is not None:
-                out["eval_lenient_acc"] = float(res["lenient_acc"])
+            continue
+        out.update({"eval_acc": float(res["acc"]), "eval_version": float(res["version"])})
+        if _number(res.get("lenient_acc")) is not None:
+            out["eval_lenient_acc"] = float(res["lenient_acc"])
+        if isinstance(res.get("pass_at"), Mapping) and _number(res["pass_at"].get(str(res.get("samples")))) is not None:
+            out["eval_pass_at_k"] = float(res["pass_at"][str(res["samples"])])
+        if _number(res.get("maj_acc")) is not None:
+            out["eval_maj_acc"] = float(res["maj_acc"])
     return out
 
 

@@ -33,6 +33,7 @@ def synthetic_records(n: int = 12, *, eval_every: int = 4, t0: float = 1_700_000
                 "version": i + 1,
                 "reward_mean": 0.2 + 0.05 * i,
                 "reward_std": 0.3 - 0.01 * i,
+                "unscorable": 0,
                 "reward_components": {"answer": 0.2 + 0.05 * i, "short": 1.0 if i % 2 else None},
                 "reward_errors": i % 3,
                 "train_acc": 0.15 + 0.05 * i,

@@ -306,6 +306,84 @@ def test_reinforce_pp_global_baseline_matches_the_naive_reference():
         algorithms.advantage("reinforce_pp_global")(rewards[:5], G, LossConfig())
 
 
+def naive_unscorable(name, rewards, G, adv_scale="group"):
+    """The reference with NaN rewards left out of everything, as TRL's nanmean/nanstd (0 on them)."""
+    r = [float(x) for x in rewards]
+    groups = [r[i:i + G] for i in range(0, len(r), G)]
+
+    def std(v):
+        mu = sum(v) / len(v)
+        return math.sqrt(sum((x - mu) ** 2 for x in v) / (len(v) - 1))
+
+    kept = [v for v in r if not math.isnan(v)]
+    x = [v - sum(s) / len(s) for g in groups for s in [[u for u in g if not math.isnan(u)]] for v in g if not math.isnan(v)]
+    out = []
+    for g in groups:
+        s = [v for v in g if not math.isnan(v)]
+        flat = len(s) < 2 or max(s) == min(s)
+        for v in g:
+            if math.isnan(v):
+                out.append(0.0)
+            elif name == "reinforce_pp_global":
+                out.append(0.0 if max(kept) == min(kept) else (v - sum(kept) / len(kept)) / (std(kept) + 1e-8))
+            elif flat:
+                out.append(0.0)
+            elif name == "grpo":
+                d = std(s) if adv_scale == "group" else std(kept) if adv_scale == "batch" else 1.0 - 1e-4
+                out.append((v - sum(s) / len(s)) / (d + 1e-4))
+            elif name == "dr_grpo":
+                out.append(v - sum(s) / len(s))
+            elif name == "rloo":
+                out.append(v - (sum(s) - v) / (len(s) - 1))
+            else:  # reinforce_pp: group mean over the scored, whitened over the scored
+                out.append((v - sum(s) / len(s) - sum(x) / len(x)) / (std(x) + 1e-8))
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_global"])
+def test_unscorable_completions_are_left_out_of_every_builtin_estimator(name):
+    """NaN (no reward function applied) is out of the group's mean, std and leave-one-out mean and of
+    the batch's whitening, and gets exactly 0; a group with one scored completion has no spread."""
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0.0, 0.0,  0.3, 0.9, nan, 0.4,  nan, nan, nan, nan,  nan, 1.0, nan, nan,
+                            0.2, 0.7, 0.5, 1.0], dtype=F64)
+    got = compute_advantages(algorithms.advantage(name), rewards, 4, LossConfig())
+    assert got.tolist() == pytest.approx(naive_unscorable(name, rewards, 4), rel=1e-12, abs=1e-12)
+    assert (got[torch.isnan(rewards)] == 0).all() and bool(torch.isfinite(got).all())
+    if name != "reinforce_pp_global":
+        assert (got[12:16] == 0).all()  # one scored completion: no spread
+    whole = torch.tensor([0.2, 0.7, 0.5, 1.0], dtype=F64)  # the full group is unchanged by the others' NaNs (group baselines)
+    if name in ("grpo", "dr_grpo", "rloo"):
+        assert got[16:].tolist() == pytest.approx(compute_advantages(algorithms.advantage(name), whole, 4, LossConfig()).tolist(), abs=1e-12)
+
+
+@pytest.mark.parametrize("adv_scale", ["group", "batch", "none"])
+def test_grpo_with_unscorable_completions_is_trls_nan_formula(adv_scale):
+    """TRL 1.16's _generate_and_score_completions: rewards NaN where unscorable, nanmean and nanstd
+    (unbiased) per group or over the batch, advantages nan_to_num'd to 0."""
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0.0, 0.5,  0.3, 0.9, nan, 0.4], dtype=F64)
+    got = group_advantages(rewards, 4, scale=adv_scale)
+    assert got.tolist() == pytest.approx(naive_unscorable("grpo", rewards, 4, adv_scale), rel=1e-12, abs=1e-12)
+
+
+def test_an_estimator_that_does_not_take_unscorable_gets_them_as_their_groups_mean():
+    seen = []
+
+    def mine(rewards, group_size, cfg):
+        seen.append(rewards.clone())
+        return rewards - rewards.view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
+
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0.0, 0.5,  nan, nan, nan, nan], dtype=F64)
+    got = compute_advantages(mine, rewards, 4, LossConfig())
+    assert seen[0].tolist() == [1.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0]  # filled with the scored mean (0 where none)
+    assert got.tolist() == pytest.approx([0.5, 0.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0])
+    mine.takes_unscorable = True  # declared: it gets the NaNs, and must return finite values where scored
+    with pytest.raises(ValueError, match="non-finite"):
+        compute_advantages(mine, rewards, 4, LossConfig())
+
+
 def test_named_advantages_are_what_adv_scale_does():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.9], dtype=F64)
     cfg = LossConfig(adv_scale="batch")

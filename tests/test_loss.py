@@ -60,6 +60,13 @@ def test_group_advantages_zero_where_the_groups_have_no_spread():
         assert 0 < sum(spread) < 40
     assert group_advantages(torch.full((4,), 0.1, dtype=f64), 2, scale="group", eps=0.0).tolist() == [0.0] * 4
     assert group_advantages(torch.full((4,), 0.1, dtype=f64), 2, scale="batch", eps=0.0).tolist() == [0.0] * 4
+    # unscorable completions (NaN here, None in a Group) are out of the spread on both sides
+    rewards[torch.rand(rewards.shape, generator=gen) < 0.3] = float("nan")
+    for scale in ("group", "batch", "none"):
+        adv = group_advantages(rewards.reshape(-1), 4, scale=scale).view(40, 4)
+        spread = [Group(tuple(None if v != v else v for v in g.tolist()), 0).has_spread for g in rewards]
+        assert [bool((a != 0).any()) for a in adv] == spread and bool(torch.isfinite(adv).all())
+        assert 0 < sum(spread) < 40
 
 @pytest.mark.parametrize(
     "n, group_size, scale",

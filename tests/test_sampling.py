@@ -21,6 +21,12 @@ def g(rewards, version=0):
 SPREAD, FLAT = (1.0, 0.0, 0.0), (0.0, 0.0, 0.0)
 
 
+def test_unscorable_completions_have_no_part_in_spread_or_usable_samples():
+    assert not g((1.0, None, 1.0)).has_spread and not g((None, 1.0, None)).has_spread and not g((None,) * 3).has_spread
+    assert g((1.0, None, 0.0)).has_spread
+    assert usable_samples([g((1.0, None, 0.0)), g((None, 1.0, None)), g(SPREAD)]) == 2 + 3
+
+
 @pytest.mark.parametrize(
     ("carried", "fresh", "want", "train", "carry", "dropped", "expired"),
     [

@@ -100,11 +100,25 @@ def test_a_bad_reward_scores_zero_with_a_reason_and_the_others_still_count(bad, 
 
 @pytest.mark.parametrize("skip", [None, float("nan")], ids=["None", "NaN"])
 def test_none_or_nan_means_does_not_apply_and_is_not_an_error(skip):
-    """TRL turns None into NaN and counts both as "did not apply"."""
+    """TRL turns None into NaN and counts both as "did not apply": a completion no function scored is
+    unscorable (reward None); one that another function scored counts the skipped component 0."""
     out = Scorer([_by_item([skip, 1.0])], [1.0], ["r"]).score_problems(_problems(2), ["x", "y"])
-    assert [s.reward for s in out] == [0.0, 1.0]
+    assert [s.reward for s in out] == [None, 1.0]
     assert [s.errors for s in out] == [0, 0] and out[0].components == {"r": None}
     assert [s.correct for s in out] == [False, True]
+    two = Scorer([_by_item([skip, 1.0]), _by_item([0.5, skip])], [1.0, 2.0], ["a", "b"]).score_problems(_problems(2), ["x", "y"])
+    assert [s.reward for s in two] == [1.0, 1.0]  # 2 * 0.5, and 1.0 + the skipped 0
+
+
+def test_a_failed_reward_is_never_unscorable():
+    """A completion the only function fails on scores 0 (an error), not None: otherwise a policy that
+    breaks its reward would escape the penalty (the advantage of an unscorable completion is 0)."""
+    def boom(prompts, completions, **kw):
+        raise RuntimeError("no")
+
+    for fn in (boom, _by_item([float("inf"), None])):
+        out = Scorer([fn], [1.0], ["r"]).score_problems(_problems(2), ["x", "y"])
+        assert out[0].reward == 0.0 and out[0].errors == 1, out
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch", "tuple"])
@@ -563,6 +577,33 @@ def test_a_notebook_defined_task_and_reward_train_through_the_dask_loop(tmp_path
     assert res.summary["acc_after"] is not None
     rows = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
     assert all("_raises: raised ZeroDivisionError" in r["reward_reason"] for r in rows)
+
+
+def test_rows_no_reward_applies_to_are_unscorable_through_the_loop(tmp_path):
+    """TRL's multi-task pattern: a reward that returns None on the rows it does not apply to. A
+    completion no reward scored is recorded with reward None, counted in ``unscorable``, left out of
+    ``reward_mean`` and trains with advantage 0 (``samples_nonzero_adv`` counts scored ones only)."""
+    rows = [{"q": f"What is {a} + {b}?", "answer": str(a + b), "kind": "skip" if a % 2 else "sum"}
+            for a in range(100, 140) for b in range(200, 202)]
+
+    def mentions_sum(prompts, completions, answer, kind, **kw):
+        return [None if k == "skip" else float(a in c or len(c) % 2 == 0)  # spread in most groups
+                for c, a, k in zip(completions, answer, kind, strict=True)]
+
+    task = tasks.from_rows(rows, [mentions_sum], question="q", gold="answer", name="mixed")
+    cfg = config.profile("tiny", engine="hf", iterations=2, eval_every=0, prompts_per_step=6, group_size=4,
+                         max_new_tokens=24, run_dir=str(tmp_path / "run"), collective_timeout_s=60, n_reward_workers=0)
+    res = loop.run(cfg, task=task, progress=False)
+    out = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    skipped = [r for r in out if r["reward"] is None]
+    assert skipped and all(r["reward_errors"] == 0 and r["reward_components"] == {"mentions_sum": None} for r in skipped)
+    assert len(skipped) < len(out)
+    for rec in res.records:
+        mine = [r for r in out if r["iteration"] == rec["iteration"]]
+        scored = [r["reward"] for r in mine if r["reward"] is not None]
+        assert rec["unscorable"] == len(mine) - len(scored) > 0
+        assert math.isclose(rec["reward_mean"], sum(scored) / len(scored))
+        assert rec["samples_nonzero_adv"] <= len(scored)
 
 
 def test_task_objects_and_task_options_do_not_mix():

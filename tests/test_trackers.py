@@ -302,6 +302,24 @@ def test_tables_are_bounded_and_sent_at_evaluations_and_the_end(tmp_path):
     assert logs[0][1]["reward_components/fmt"] == 0.5 and "kl_mean" not in logs[0][1]
 
 
+def test_another_eval_sets_results_never_pass_for_the_tasks_own():
+    """Review finding: an ``eval_sets`` result (``evals.collect`` marks it ``set``) overwrote
+    ``eval_acc`` and ``base_acc``; pass@k (a dict) never reached a tracker."""
+    res = [{"version": 0, "acc": 0.2, "iteration": 0}, {"version": 0, "acc": 0.9, "set": "math500", "iteration": 0},
+           {"version": 4, "acc": 0.4, "lenient_acc": 0.5, "samples": 4, "pass_at": {"1": 0.4, "4": 0.7}, "maj_acc": 0.45},
+           {"version": 4, "acc": 0.95, "lenient_acc": 0.97, "set": "math500"}]
+    out = trackers.eval_scalars(res)
+    assert (out["base_acc"], out["eval_acc"], out["eval_lenient_acc"], out["eval/acc"]) == (0.2, 0.4, 0.5, 0.4)
+    assert (out["eval/math500/acc"], out["eval/math500/lenient_acc"]) == (0.95, 0.97)
+    assert (out["eval/pass_at/4"], out["eval_pass_at_k"], out["eval_maj_acc"]) == (0.7, 0.7, 0.45)
+    from grpo_kit import evals
+
+    rec = {"iteration": 4, "spans": []}
+    for r in res:
+        evals.attach(rec, dict(r, iteration=4, start=0.0, end=1.0))
+    assert {k: trackers.record_scalars(rec)[k] for k in ("eval_acc", "eval_pass_at_k")} == {"eval_acc": rec["eval_acc"], "eval_pass_at_k": rec["eval_pass_at_k"]}
+
+
 class OnlyLogs:
     """A tracker that is not a Tracker subclass and has one hook."""
 

@@ -33,7 +33,11 @@ other keywords come too:
 Those names, like ``prompts``, ``completions`` and ``completion_ids`` (:data:`RESERVED`), are
 reserved and a column so named is refused. A function may return
 :class:`~grpo_kit.reward.RewardResult` items instead of floats, to give a parsed value, a reason and
-its own correctness rule. ``None`` means "does not apply" and counts 0.
+its own correctness rule. ``None`` (or NaN) means "does not apply": that component counts 0 in the
+sum. A completion that every function passed over (all None, none failing) is *unscorable*, as in
+TRL: its reward is None, it is left out of its group's baseline and spread, and its advantage is 0
+(:func:`grpo_kit.algorithms.compute_advantages`). A function that fails still scores 0, so a
+completion that breaks a reward is never spared the penalty.
 
 Conversational prompts (a problem's ``messages``, TRL's conversational format; see
 :func:`~grpo_kit.tasks.rows.from_rows`): as TRL decides it from the first prompt of the batch,
@@ -268,8 +272,9 @@ def text_of(completion) -> str:
 class Score:
     """One completion's reward and what it is made of."""
 
-    reward: float
-    """The weighted sum of the components (0 where a component failed)."""
+    reward: float | None
+    """The weighted sum of the components (0 where a component failed or did not apply); None where
+    no component applied and none failed (the completion is unscorable: module docstring)."""
     components: dict
     """Component name -> its score (None where it did not apply or failed)."""
     reason: str
@@ -336,7 +341,8 @@ class Scorer:
         ``completions`` go as given (:meth:`score_problems` puts them in TRL's form). A function that
         raises, hangs, returns the wrong number of items or an item that is neither a finite number, a
         ``RewardResult`` nor None scores those completions 0 for that component, with the reason, and
-        counts as an error; the other components still count."""
+        counts as an error; the other components still count. A completion that no component scored
+        and none failed on gets reward None (unscorable)."""
         n = len(completions)
         clash = sorted(set(columns) & set(RESERVED))
         if clash:
@@ -374,7 +380,8 @@ class Scorer:
             comps.append(vals)
         scores = []
         for i in range(n):
-            total = sum(w * (c[i] or 0.0) for w, c in zip(self.weights, comps, strict=True))
+            applied = errors[i] or any(c[i] is not None for c in comps)  # a failure counts 0, not "unscorable"
+            total = sum(w * (c[i] or 0.0) for w, c in zip(self.weights, comps, strict=True)) if applied else None
             first = firsts[i]
             if first is not None:
                 ok, lenient, reason = first.correct, first.lenient_correct, first.reason
@@ -382,7 +389,7 @@ class Scorer:
                 v0 = comps[0][i]
                 ok = lenient = v0 is not None and v0 >= self.correct_at
                 reason = f"{self.names[0]}={v0:g}" if v0 is not None else f"{self.names[0]} did not apply"
-            scores.append(Score(float(total), {nm: c[i] for nm, c in zip(self.names, comps, strict=True)},
+            scores.append(Score(None if total is None else float(total), {nm: c[i] for nm, c in zip(self.names, comps, strict=True)},
                                 reasons[i] or reason, bool(ok), bool(lenient), errors[i],
                                 first.parsed if first is not None else None))
         return scores
@@ -428,10 +435,14 @@ def call_reward(fn: Callable, kwargs: dict) -> Any:
     return out
 
 
-def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float | None]:
+def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float]:
     """The environments' own rewards (``get_reward()``, recorded when each episode ended): the
-    reward of a task that has an environment and no reward functions."""
-    return list(env_reward) if env_reward is not None else [None] * len(completions)
+    reward of a task that has an environment and no reward functions. An episode without one (it
+    ended in an error, so ``get_reward`` was not called) scores 0: the policy can cause an error (a
+    tool call that runs past its time limit), so an error must not spare it the penalty."""
+    if env_reward is None:
+        return [0.0] * len(completions)
+    return [0.0 if r is None else r for r in env_reward]
 
 
 def problem_columns(problems: Sequence[Problem]) -> dict[str, list]:
