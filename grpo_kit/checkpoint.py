@@ -34,6 +34,13 @@ def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool) -> 
     state = load_state(store, run_id) if resume else None
     if state is None and resume and store.latest() is not None:
         state = fresh_state(run_id)  # died in iteration 0, after the first publish
+    if state is None and resume:
+        done = sorted({r["iteration"] for r in read_jsonl(files.metrics, stop_at_bad_line=True) if r.get("iteration", 0) > 0})
+        if done:  # a run that died in iteration 0 has nothing past it: these came from a store not found now
+            raise FileNotFoundError(
+                f"resume=True, but the adapter store {store.root} holds no run state and no version, while "
+                f"{files.metrics} records iterations up to {done[-1]}: is store_url (or run_dir) the one the "
+                "run used? Nothing was deleted; pass resume=False to start that run_dir afresh")
     if state is None:
         if store.latest() is not None:
             raise FileExistsError(

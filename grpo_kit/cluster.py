@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import time
+import warnings
 
 import dask
 from distributed import Client, Nanny, WorkerPlugin
@@ -164,10 +165,21 @@ def connect(
                 "silence_logs": logging.ERROR,
             },
         }
-    cluster.scale(len(roles))
-    client = Client(cluster)
-    client.wait_for_workers(len(roles), timeout=120)
-    client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)
+    if gpus and len(gpus) > 1 and len(roles) > len(gpus):
+        warnings.warn(f"{len(roles)} workers on {len(gpus)} GPUs: workers share devices round-robin "
+                      f"({', '.join(f'{r}-{i}' for r, i in roles)} on {', '.join(gpus[k % len(gpus)] for k in range(len(roles)))}); "
+                      "an engine sized by gpu_memory_utilization may not fit beside a trainer rank", RuntimeWarning, stacklevel=2)
+    client = None
+    try:
+        cluster.scale(len(roles))
+        client = Client(cluster)
+        client.wait_for_workers(len(roles), timeout=120)
+        client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)
+    except BaseException:  # a cluster that did not come up is closed, not left running (a re-run notebook cell)
+        if client is not None:
+            client.close()
+        cluster.close()
+        raise
     if not quiet:
         extra = (f" + {n_reward_workers} reward" if n_reward_workers else "") + (f" + {n_eval_workers} eval" if n_eval_workers else "")
         print(f"LocalCluster: {n_rollout_workers} rollout + {n_trainer_workers} trainer{extra} workers; "

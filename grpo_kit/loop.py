@@ -142,6 +142,9 @@ def run(
     heldout = task.load("heldout", cfg.data.eval_size, 0)
     more_sets = evals.eval_set_tasks(cfg, task, eval_sets)
     more_heldout = {n: [remote.problem_dict(p) for p in t.load("heldout", cfg.data.eval_size, 0)] for n, t in more_sets.items()}
+    files = run_files(run_dir)
+    metrics_path, samples_path = files.metrics, files.samples
+    run_id = checkpoint.run_id_for(cfg, store.root, task)  # before any cluster: a config JSON refuses fails here
     own_client = client is None
     if own_client:
         client = cl.connect(
@@ -153,14 +156,11 @@ def run(
             threads_per_worker=cfg.cluster.threads_per_worker,
             quiet=not progress,
         )
-    if worker_logs and client.cluster is not None:  # before the engines: their start-up output goes there too
-        logs.route_worker_logs(client, logs.run_log_dir(run_dir), quiet=not progress)
-    files = run_files(run_dir)
-    metrics_path, samples_path = files.metrics, files.samples
-    run_id = checkpoint.run_id_for(cfg, store.root, task)
     gang = driver = None
 
     try:
+        if worker_logs and client.cluster is not None:  # before the engines: their start-up output goes there too
+            logs.route_worker_logs(client, logs.run_log_dir(run_dir), quiet=not progress)
         state, records = checkpoint.restore(store, run_id, files, resume)
         files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe(),
                                             **({"eval_sets": {n: t.describe() for n, t in more_sets.items()}}
@@ -199,8 +199,11 @@ def run(
         summary = driver.finish(preflight=fabric.summary() if fabric else None)
         tracking.finish_run(run_dir)  # the HTML report, as the trackers' artifact
         return RunResult(run_dir, driver.records, summary)
+    except BaseException as e:
+        tracking.end(error=e)  # a failed or interrupted run's trackers are closed too (no report), marked failed
+        raise
     finally:
-        tracking.end()  # a failed run's trackers are closed too (no report)
+        tracking.end()  # (done already when it failed)
         try:
             if driver is not None and driver.uncommitted():  # the run failed or was interrupted
                 _take_back(driver, progress)
@@ -253,6 +256,7 @@ class _Driver:
                             and cfg.run.staleness_policy == "pace")
         self.steps: dict[int, StepHandle] = {}
         self.eval_due: tuple[int, int] | None = None  # (iteration, version) to evaluate once committed
+        self.samples: list = []  # the recorded iteration's samples.jsonl entries, for the trackers once committed
         self.chunks = max(1, min(cfg.cluster.n_rollout_workers, s.prompts_per_step))
         self.scorer = scorer
         self.episodes = episodes  # a multi-turn task's EpisodePlan (its chunks are scored on the rollout worker)
@@ -588,12 +592,13 @@ class _Driver:
         ``rollouts.jsonl`` every ``rollouts_every`` iterations)."""
         rec = iteration_record(self.cfg, batch, step, self.state["version"], self.state["base_acc"],
                                self.gang.restarts)
-        self._write_samples(batch.iteration, batch.rollouts)
+        self.samples = self._write_samples(batch.iteration, batch.rollouts)  # to the trackers once committed
         return rec
 
     def publish(self, rec: MetricsRecord, bar) -> None:
         """Commit the iteration: attach finished evaluations, append the record, write the run state,
-        apply retention, call the callbacks."""
+        hand the record and its samples to the trackers (only now: a resumed run trains an uncommitted
+        iteration again, and its rows must not reach a tracker twice), apply retention, call the callbacks."""
         for res in self.collect_evals():
             evals.attach(rec, res)
         rec["base_acc"] = self.state["base_acc"]
@@ -610,13 +615,15 @@ class _Driver:
         self.state.update(checkpoint.resume_fields(self.groups_seen, self.carry_specs,
                                                    {j: (p.version, p.n) for j, p in self.pending.items()}))
         checkpoint.save_state(self.store, self.state)
+        self.trackers.add_samples(self.samples)
+        self.samples = []
+        self.trackers.on_record(rec)  # before the callbacks: one that stops the run leaves nothing unlogged
         if self.eval_due is not None:
             self.evals.submit(*self.eval_due)
             self.eval_due = None
         self.prune()
         for cb in self.callbacks:
             cb(rec)
-        self.trackers.on_record(rec)
         bar.update(1)
         bar.set_postfix(reward=_fmt(rec['reward_mean']), acc=_fmt(self.last_eval()), v=rec["version"])
 
@@ -631,13 +638,13 @@ class _Driver:
         if pruner is not None:
             pruner.after_commit(self.state["version"], self.busy_versions())
 
-    def _write_samples(self, it: int, rollouts: list[RolloutSummary]) -> None:
+    def _write_samples(self, it: int, rollouts: list[RolloutSummary]) -> list:
         every = self.cfg.run.rollouts_every
         if every and it % every == 0:
             append_jsonl(self.samples_path.with_name("rollouts.jsonl"), (r.to_dict() for r in rollouts))
         samples = samples_of(it, rollouts)
         append_jsonl(self.samples_path, samples)
-        self.trackers.add_samples(samples)
+        return samples
 
     def cancel_pending(self) -> None:
         """Cancel the generations in flight (batches submitted ahead) and let go of the futures held for

@@ -431,8 +431,14 @@ def append_jsonl(path: Path, rows: Iterable[dict]) -> None:
 
 
 def write_jsonl(path: Path, rows: Iterable[dict]) -> None:
-    """Replace a JSONL file's contents with ``rows``."""
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """Replace a JSONL file's contents with ``rows``, atomically: a write that fails (a full disk) or
+    is killed leaves the old file whole."""
+    tmp = path.with_name(path.name + ".write")
+    try:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_jsonl(path: Path, *, stop_at_bad_line: bool = False) -> list[dict[str, Any]]:

@@ -105,6 +105,9 @@ class Tracker:
     def on_table(self, rows: list[dict], step: int) -> None:
         """Sampled completions since the previous table (at most :data:`TABLE_ROWS`)."""
 
+    def on_failure(self, error: BaseException) -> None:
+        """The run failed or was interrupted (called just before :meth:`on_end`, which gets no report)."""
+
     def on_end(self, report: Path | None) -> None:
         """The run ended; ``report`` is its HTML report (None if there is none)."""
 
@@ -315,12 +318,15 @@ class TrackerSet:
             rows, self.rows = self.rows[:TABLE_ROWS], self.rows[TABLE_ROWS:]
             self.call("on_table", rows, max(self.step, max(int(r["iteration"]) for r in rows)))
 
-    def end(self, report: Path | None = None) -> None:
-        """The last table and ``on_end`` (once; a second call, or one before :meth:`start`, does nothing)."""
+    def end(self, report: Path | None = None, error: BaseException | None = None) -> None:
+        """The last table, ``on_failure(error)`` when the run failed or was interrupted, and ``on_end``
+        (once; a second call, or one before :meth:`start`, does nothing)."""
         if self.ended or not self.started:
             return
         self.ended = True
         self.flush_table()
+        if error is not None:
+            self.call("on_failure", error)
         self.call("on_end", report)
 
     def finish_run(self, run_dir: str | os.PathLike) -> Path | None:
@@ -425,10 +431,13 @@ class MLflowTracker(Tracker):
             warnings.simplefilter("ignore")
             self.client.log_table(self.run_id, data, f"completions/{self.tables:04d}-iteration-{step}.json")
 
+    def on_failure(self, error: BaseException) -> None:
+        self.status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+
     def on_end(self, report: Path | None) -> None:
         if report is not None:
             self.client.log_artifact(self.run_id, str(report))
-        self.client.set_terminated(self.run_id)
+        self.client.set_terminated(self.run_id, status=getattr(self, "status", "FINISHED"))
 
 
 def _wandb_key_set() -> bool:
@@ -483,7 +492,10 @@ class WandbTracker(RunLogTracker):
             art = self.wandb.Artifact(f"report-{self.run.id}", type="report")
             art.add_file(str(report))
             self.run.log_artifact(art)
-        self.run.finish()
+        self.run.finish(exit_code=getattr(self, "exit_code", None))
+
+    def on_failure(self, error: BaseException) -> None:
+        self.exit_code = 1  # the run shows as failed
 
 
 class TrackioTracker(RunLogTracker):

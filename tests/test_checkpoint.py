@@ -88,3 +88,23 @@ def test_reconcile_stops_at_a_version_trained_from_a_parent_since_trained_anew(t
     _publish(store, tmp_path, 5, 4)  # a version published before parent attempts were recorded
     assert store.descends(5)
 
+
+
+def test_resume_against_a_store_without_the_run_refuses_and_deletes_nothing(tmp_path):
+    """Review finding: resume=True with a mistyped store_url (no run state, no version) started over
+    and deleted the run directory's records."""
+    import pytest
+
+    from grpo_kit.records import RunFiles
+
+    files = RunFiles(tmp_path / "run")
+    files.root.mkdir()
+    lines = "".join(json.dumps({"iteration": i, "version": i + 1}) + "\n" for i in range(30))
+    files.metrics.write_text(lines)
+    with pytest.raises(FileNotFoundError, match="holds no run state and no version.*up to 29"):
+        checkpoint.restore(AdapterStore(str(tmp_path / "wrong-store")), "rid", files, resume=True)
+    assert files.metrics.read_text() == lines
+    # a run that died in iteration 0 before its first publish resumes from scratch, as before
+    files.metrics.write_text(json.dumps({"iteration": 0, "version": 1}) + "\n")
+    state, records = checkpoint.restore(AdapterStore(str(tmp_path / "store")), "rid", files, resume=True)
+    assert (state["next_iteration"], records) == (0, [])

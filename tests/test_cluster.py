@@ -26,6 +26,34 @@ def test_workers_with_never_reads_an_empty_cluster(client):
     assert set(cl.worker_resources(client)) == set(want) | set(cl.workers_with(client, cl.TRAINER))
 
 
+def test_a_cluster_that_does_not_come_up_is_closed(monkeypatch):
+    """Review finding: a connect that failed after the LocalCluster started (workers slower than the
+    wait, a plugin that failed) left the cluster and its worker processes running."""
+    import multiprocessing
+    import time
+
+    from distributed.deploy.spec import SpecCluster
+
+    def too_slow(self, n_workers, timeout=None):
+        raise TimeoutError(f"only 0 of {n_workers} workers came up")
+
+    monkeypatch.setattr(Client, "wait_for_workers", too_slow)
+    before = {id(c) for c in SpecCluster._instances}
+    others = {p.pid for p in multiprocessing.active_children()}  # another test's cluster, if any
+    with pytest.raises(TimeoutError, match="workers came up"):
+        cl.connect(n_rollout_workers=1, n_trainer_workers=1, quiet=True)
+    mine = [c for c in SpecCluster._instances if id(c) not in before]
+    assert mine and all(c.status.name == "closed" for c in mine), [c.status for c in mine]
+    deadline = time.time() + 30
+
+    def left():
+        return [p for p in multiprocessing.active_children() if "Dask" in p.name and p.pid not in others]
+
+    while left() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left()
+
+
 def test_a_worker_slower_to_come_back_than_the_lost_worker_timeout_keeps_its_nanny():
     """Killed, a worker's nanny restarts it; here it takes longer than the lost-worker-timeout (set
     to 0.3 s; Dask's default is 15 s, which a loaded machine's restart exceeded on a fresh clone).

@@ -47,6 +47,27 @@ def test_read_jsonl_can_stop_at_the_first_bad_line(tmp_path):
     assert records.read_jsonl(path) == [{"iteration": 7}]
 
 
+def test_a_failed_write_jsonl_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """Review finding: write_jsonl truncated in place, so a full disk on resume kept only part of
+    metrics.jsonl (here a write that stops half way with ENOSPC)."""
+    import errno
+    from pathlib import Path
+
+    path = tmp_path / "metrics.jsonl"
+    records.write_jsonl(path, [{"iteration": i} for i in range(3)])
+
+    def disk_full(self, text, *a, **k):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        records.write_jsonl(path, [{"iteration": i} for i in range(5)])
+    monkeypatch.undo()
+    assert records.read_jsonl(path) == [{"iteration": i} for i in range(3)] and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 def test_trim_jsonl_streams(tmp_path):
     """Resume trims rollouts.jsonl line by line: a long run's file is never read whole."""
     import tracemalloc

@@ -100,6 +100,45 @@ def _logged_steps(res, key: str) -> dict[int, float]:
     return {r["iteration"]: r[key] for r in res.records if r.get(key) is not None}
 
 
+def test_a_stopped_and_resumed_run_reaches_a_tracker_once_per_iteration(tmp_path, client, monkeypatch):
+    """Review findings: the samples went to the trackers before the commit (a run that failed between
+    the two, then resumed, sent an iteration's rows twice), and a callback that stopped the run
+    after a commit left that iteration's scalars unlogged for good. Session 1 is stopped by a
+    callback at iteration 1; session 2 fails writing iteration 2's run state; session 3 finishes."""
+    from grpo_kit import checkpoint
+
+    seen = []
+    monkeypatch.setitem(trackers.TRACKERS, "recorder", lambda: seen.append(Recorder()) or seen[-1])
+    cfg = config.profile("tiny", engine="hf", iterations=4, eval_every=0, prompts_per_step=2, group_size=2,
+                         max_new_tokens=8, world_size=1, run_dir=str(tmp_path / "run"), collective_timeout_s=30,
+                         report_to="recorder")
+
+    def stop_at_1(rec):
+        if rec["iteration"] == 1:
+            raise KeyboardInterrupt("stopped by a callback")
+
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(cfg, client=client, progress=False, callbacks=[stop_at_1])
+    save = checkpoint.save_state
+
+    def fail_at_2(store, state):
+        if state["next_iteration"] == 3:
+            raise OSError("the store is unreachable")
+        save(store, state)
+
+    monkeypatch.setattr(checkpoint, "save_state", fail_at_2)
+    with pytest.raises(OSError, match="unreachable"):
+        loop.run(cfg, client=client, progress=False, resume=True)
+    monkeypatch.setattr(checkpoint, "save_state", save)
+    res = loop.run(cfg, client=client, progress=False, resume=True)
+    assert [r["iteration"] for r in res.records] == [0, 1, 2, 3] and len(seen) == 3
+    steps = [c[2] for rec in seen for c in rec.calls if c[0] == "log"]
+    assert steps == [0, 1, 2, 3], steps
+    rows = [row for rec in seen for c in rec.calls if c[0] == "table" for row in c[1]]
+    assert rows == trackers.table_rows(_samples(cfg.run.run_dir))  # every committed sample, once
+    assert sorted({r["iteration"] for r in rows}) == [0, 1, 2, 3]
+
+
 # ---------------------------------------------------------------- the run, read back per library
 
 
@@ -404,3 +443,25 @@ def test_records_fed_to_the_real_trackers_read_back(tmp_path, tracker_env):
                        if r.WhichOneof("record_type") == "history" for i in r.history.item
                        if (i.key or "/".join(i.nested_key)) == "loss"})
     assert sorted(losses, key=min) == [pytest.approx({0: 1.0}), pytest.approx({1: 0.9})]
+
+
+def test_a_failed_run_is_marked_failed_in_mlflow_and_wandb(tmp_path, tracker_env):
+    """Review finding: a failed run ended FINISHED in MLflow (set_terminated's default) and with exit
+    code 0 in W&B; an interrupted one is KILLED in MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    statuses = {}
+    for name, error in (("failed", RuntimeError("boom")), ("stopped", KeyboardInterrupt())):
+        ts = TrackerSet.for_names(["mlflow", "wandb"])
+        info = RunInfo.for_run(tmp_path / name, {"lr": 0.5})
+        ts.start(info)
+        ts.on_record(_record(0))
+        ts.end(error=error)
+        assert list(ts.active) == ["mlflow", "wandb"]  # neither failed
+        client = MlflowClient(tracking_uri=(tmp_path / name / "mlruns").resolve().as_uri())
+        (run,) = client.search_runs([client.get_experiment_by_name(trackers.PROJECT).experiment_id])
+        (session,) = glob.glob(str(tmp_path / name / "wandb" / f"offline-run-*-{info.id}*"))
+        exits = [r.exit.exit_code for r in wandb_records(Path(session) / f"run-{info.id}.wandb")
+                 if r.WhichOneof("record_type") == "exit"]
+        statuses[name] = (run.info.status, exits)
+    assert statuses == {"failed": ("FAILED", [1]), "stopped": ("KILLED", [1])}
