@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -24,11 +26,91 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")
 TUPLE_FIELDS = ("lora_targets", "stop", "reward_functions", "reward_weights", "report_to")
 STALENESS_POLICIES = ("pace", "discard")
+MIN_TEMPERATURE = 0.01
+"""The lowest sampling temperature: vLLM raises any temperature in (0, 0.01) to 0.01 (its
+``_MAX_TEMP``) with a log line, while the trainer would score the temperature asked for."""
 
 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _typed(section: Any) -> None:
+    """Check each field's value against its annotation, and normalize it in place: a bool field takes
+    only True or False (the string ``"false"`` is truthy), an int field an integer (not a bool; a
+    whole float such as YAML's ``2.0`` becomes ``2``; numpy's integers become ``int``), a float field
+    a number, never NaN (an int becomes a float, so ``kl_beta=0`` and ``0.0`` are one config and one
+    run id), a str field a str; None only where the annotation allows it; tuple fields hold their
+    element type. ``dict`` fields are left to their own checks."""
+    cls = type(section)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    for f in fields(section):
+        hint, v = _HINTS[cls][f.name], getattr(section, f.name)
+        args = typing.get_args(hint)
+        if type(None) in args:
+            if v is None:
+                continue
+            hint = next(a for a in args if a is not type(None))
+        origin = typing.get_origin(hint)
+        if origin is tuple:
+            _check(isinstance(v, tuple), f"{f.name} must be a tuple, got {v!r}")
+            item = typing.get_args(hint)[0]
+            object.__setattr__(section, f.name, tuple(_scalar(f"{f.name} entry", item, x) for x in v))
+        elif hint in (bool, int, float, str):
+            object.__setattr__(section, f.name, _scalar(f.name, hint, v))
+
+
+def _scalar(name: str, kind: type, v: Any) -> Any:
+    import numbers
+
+    is_bool = isinstance(v, bool) or (type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"))
+    if kind is bool:
+        _check(is_bool, f"{name} must be True or False, got {v!r}")
+        return bool(v)
+    if kind is str:
+        _check(isinstance(v, str), f"{name} must be a string, got {type(v).__name__} {v!r}")
+        return v
+    _check(isinstance(v, numbers.Real) and not is_bool, f"{name} must be a number, got {type(v).__name__} {v!r}")
+    if kind is int:
+        _check(float(v).is_integer(), f"{name} must be a whole number, got {v!r}")
+        return int(v)
+    _check(not math.isnan(v), f"{name} must be a number, got NaN")
+    return float(v)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Message sizes of the pre-flight sweep (``ClusterConfig.preflight_sizes``): ``"1K:256M"``
+    (powers of 4 from LO up to HI) or a comma list ``"1K,1M"``; a malformed one raises ValueError.
+
+    >>> parse_sizes("1K:64K"), parse_sizes("4K,2M")
+    ([1024, 4096, 16384, 65536], [4096, 2097152])
+    """
+    from dask.utils import parse_bytes
+
+    def one(s: str) -> int:
+        s = s.strip()
+        try:
+            n = parse_bytes(s + "iB" if s[-1:].upper() in "KMG" else s)
+        except (ValueError, TypeError, IndexError):
+            n = 0
+        _check(n > 0, f"preflight size {s!r} is not a size such as 1K, 4M or 1G (in {text!r})")
+        return n
+
+    if ":" in text:
+        parts = text.split(":")
+        _check(len(parts) == 2, f"preflight sizes {text!r}: a range is LO:HI")
+        lo, hi = (one(s) for s in parts)
+        _check(lo <= hi, f"preflight sizes {text!r}: LO is above HI")
+        out = [lo]
+        while out[-1] * 4 <= hi:
+            out.append(out[-1] * 4)
+        return out
+    return [one(s) for s in text.split(",")]
 
 
 def report_names(report_to) -> tuple[str, ...]:
@@ -56,6 +138,7 @@ class ModelConfig:
     """Context length (prompt + completion) the engines allocate for."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(bool(self.model), "model must be 'tiny', a hub id or a local path")
         _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _check(self.max_model_len >= 16, f"max_model_len must be >= 16, got {self.max_model_len}")
@@ -91,6 +174,7 @@ class DataConfig:
     instruction is the run task's (the engines give every prompt one instruction) or with ``instruction`` set."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(1 <= self.n_digits <= 6, f"n_digits must be in 1..6, got {self.n_digits}")
         _check(2 <= self.n_terms <= 4, f"n_terms must be in 2..4, got {self.n_terms}")
         _check(self.eval_size >= 1, f"eval_size must be >= 1, got {self.eval_size}")
@@ -123,6 +207,7 @@ class PromptConfig:
     the plain ``Question: ... Answer:`` prompt); ``"always"`` requires one; ``"never"`` uses the plain prompt."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(self.chat_template in CHAT_TEMPLATE_MODES,
                f"chat_template must be one of {CHAT_TEMPLATE_MODES}, got {self.chat_template!r}")
         _check(self.instruction is None or bool(self.instruction.strip()) or self.system_prompt is not None,
@@ -147,6 +232,7 @@ class RewardConfig:
     """Bound on one reward function's call for one batch; past it that batch scores 0 for it, with the reason."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(0 <= self.format_bonus <= 1, f"format_bonus must be in [0, 1], got {self.format_bonus}")
         _check(0 <= self.lenient_credit <= 1, f"lenient_credit must be in [0, 1], got {self.lenient_credit}")
         for f in self.reward_functions:
@@ -196,12 +282,15 @@ class SamplingConfig:
     usable groups it has, and an iteration with none skips its optimizer step."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(self.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
         _check(self.engine in ENGINES, f"engine must be one of {ENGINES}, got {self.engine!r}")
         _check(self.group_size >= 2, f"group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        _check(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _check(MIN_TEMPERATURE <= self.temperature < math.inf,
+               f"temperature must be in [{MIN_TEMPERATURE}, inf), got {self.temperature} (vLLM samples below "
+               f"{MIN_TEMPERATURE} at {MIN_TEMPERATURE}, so the recorded log-probs would not be of the trained distribution)")
         _check(self.lora_mode in LORA_MODES, f"lora_mode must be one of {LORA_MODES}, got {self.lora_mode!r}")
         _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, f"kv_cache_bytes must be > 0 or None, got {self.kv_cache_bytes}")
         _check(0 < self.gpu_memory_utilization <= 1, f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -240,6 +329,7 @@ class EpisodeConfig:
     batch as their answers come, so it does not wait."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(self.max_turns >= 1, f"max_turns must be >= 1, got {self.max_turns}")
         _check(self.max_turn_tokens is None or self.max_turn_tokens >= 1,
                f"max_turn_tokens must be >= 1 or None, got {self.max_turn_tokens}")
@@ -289,6 +379,7 @@ class LossConfig:
     ``module:qualname``."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         from grpo_kit import algorithms  # the registries (they import the loss, which imports this module)
 
         algorithms.check_name(self.policy_loss, "policy_loss")
@@ -337,7 +428,8 @@ class OptimConfig:
     ``micro_batch`` is not read)."""
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _typed(self)
+        _check(0 < self.lr < math.inf, f"lr must be > 0 and finite, got {self.lr}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         _check(self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}")
         _check(self.micro_batch_tokens >= 1, f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
@@ -358,6 +450,7 @@ class LoRAConfig:
     """Module names that get adapters."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}")
         _check(self.lora_alpha > 0, f"lora_alpha must be > 0, got {self.lora_alpha}")
         _check(0 <= self.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
@@ -401,8 +494,14 @@ class ClusterConfig:
     """Below the floor: ``"warn"`` and train, or ``"error"`` (the run fails before training)."""
 
     def __post_init__(self) -> None:
+        _typed(self)
         _check(self.preflight_on_slow in ("warn", "error"),
                f"preflight_on_slow must be 'warn' or 'error', got {self.preflight_on_slow!r}")
+        if self.preflight_sizes:
+            parse_sizes(self.preflight_sizes)
+        _check(bool(self.preflight_sizes) or self.preflight_min_busbw_gbps == 0,
+               f"preflight_min_busbw_gbps={self.preflight_min_busbw_gbps} with preflight_sizes='' (the sweep off): "
+               "nothing would check the floor")
         _check(self.preflight_min_busbw_gbps >= 0, f"preflight_min_busbw_gbps must be >= 0, got {self.preflight_min_busbw_gbps}")
         _check(self.n_rollout_workers >= 1, f"n_rollout_workers must be >= 1, got {self.n_rollout_workers}")
         _check(self.world_size >= 1, f"world_size must be >= 1, got {self.world_size}")
@@ -483,6 +582,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "report_to", report_names(self.report_to))
+        _typed(self)
+        _check(bool(self.run_dir.strip()), "run_dir must name a directory (an empty one would put the store at /store)")
         _check(self.iterations >= 0, f"iterations must be >= 0, got {self.iterations}")
         _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         _check(self.pipeline_depth is None or self.pipeline_depth >= 0,
@@ -491,7 +592,9 @@ class RunConfig:
                f"staleness_policy must be one of {STALENESS_POLICIES}, got {self.staleness_policy!r}")
         _check(self.eval_every >= 0, f"eval_every must be >= 0, got {self.eval_every}")
         _check(self.eval_samples >= 0, f"eval_samples must be >= 0, got {self.eval_samples}")
-        _check(self.eval_temperature > 0, f"eval_temperature must be > 0, got {self.eval_temperature}")
+        _check(MIN_TEMPERATURE <= self.eval_temperature < math.inf,
+               f"eval_temperature must be in [{MIN_TEMPERATURE}, inf), got {self.eval_temperature} "
+               "(the greedy evaluation is argmax already)")
         _check(self.price_per_hour >= 0, f"price_per_hour must be >= 0, got {self.price_per_hour}")
         _check(self.keep_versions >= 0, f"keep_versions must be >= 0, got {self.keep_versions}")
         _check(self.keep_versions == 0 or self.keep_versions > self.depth,
@@ -571,7 +674,7 @@ class Config:
         if unknown:  # TRL's names for the same settings (beta=, num_generations=, learning_rate=, ...)
             from grpo_kit.trl_config import kit_names
 
-            kw = kit_names(kw)
+            kw = kit_names(kw, kw.get("policy_loss", self.loss.policy_loss))
             unknown = set(kw) - set(flat_field_names()) - {"profile"}
         if unknown:
             raise ValueError(f"unknown config field(s): {sorted(unknown)}; known: {sorted(flat_field_names())}")
@@ -582,9 +685,13 @@ class Config:
                 for k in TUPLE_FIELDS:
                     if k in mine:
                         mine[k] = (mine[k],) if isinstance(mine[k], str) else tuple(mine[k])
+                if "lora_targets" in mine:  # "q_proj,v_proj" (a command line's) is two modules, as report_to splits
+                    mine["lora_targets"] = tuple(t.strip() for x in mine["lora_targets"]
+                                                 for t in (x.split(",") if isinstance(x, str) else [x]) if t != "")
                 updates[name] = replace(getattr(self, name), **mine)
-        if "profile" in kw:
-            updates["profile"] = kw["profile"]
+        if "profile" in kw and kw["profile"] != self.profile:  # the label would name a profile the config is not
+            raise ValueError(f"profile={kw['profile']!r} as an override would only relabel the {self.profile!r} "
+                             f"profile: start from it, config.profile({kw['profile']!r}, ...)")
         return replace(self, **updates)
 
     def to_dict(self) -> dict[str, Any]:
@@ -592,6 +699,9 @@ class Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
+        unknown = set(d) - set(_SECTIONS) - {"profile", "task", "eval_sets"}  # config.json holds the task too
+        if unknown:
+            raise ValueError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(_SECTIONS)}")
         parts = {}
         for name, sec in _SECTIONS.items():
             vals = dict(d.get(name, {}))
@@ -671,16 +781,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     """``FIELD=VALUE`` strings (a command line's ``--set``) as overrides: each value a Python literal
     where it parses as one, else the bare string.
 
-    >>> parse_overrides(["packing=False", "micro_batch_tokens=1024", "engine=hf"])
-    {'packing': False, 'micro_batch_tokens': 1024, 'engine': 'hf'}
+    >>> parse_overrides(["packing=False", "micro_batch_tokens=1024", "engine=hf", "pipelined=false"])
+    {'packing': False, 'micro_batch_tokens': 1024, 'engine': 'hf', 'pipelined': False}
     """
     out: dict[str, Any] = {}
+    words = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False, "none": None}
     for item in items:
         key, _, value = item.partition("=")
         try:
             out[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            out[key] = value
+        except (ValueError, SyntaxError):  # a shell's true/false too (the bare string would be truthy)
+            out[key] = words.get(value.strip().lower(), value)
     return out
 
 

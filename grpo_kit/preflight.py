@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .config import parse_sizes  # noqa: F401 - where the CLI and the driver read it
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = tuple(1024 * 4**i for i in range(10))
@@ -220,27 +222,6 @@ def sweep_gang(gang, sizes=DEFAULT_SIZES, *, min_busbw_gbps: float = 0.0, on_slo
                                  timeout_s=timeout_s)
         except SweepFailed as e:
             gang.recover(e, "the pre-flight sweep")
-
-
-def parse_sizes(text: str) -> list[int]:
-    """``"1K:256M"`` (powers of 4 between) or a comma list ``"1K,1M"``.
-
-    >>> parse_sizes("1K:64K"), parse_sizes("4K,2M")
-    ([1024, 4096, 16384, 65536], [4096, 2097152])
-    """
-    from dask.utils import parse_bytes
-
-    def one(s: str) -> int:
-        s = s.strip()
-        return parse_bytes(s + "iB" if s[-1:].upper() in "KMG" else s)
-
-    if ":" in text:
-        lo, hi = (one(s) for s in text.split(":"))
-        out = [lo]
-        while out[-1] * 4 <= hi:
-            out.append(out[-1] * 4)
-        return out
-    return [one(s) for s in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> dict:

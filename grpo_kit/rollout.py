@@ -24,12 +24,13 @@ i`` for problem ``i``). Contract shared by :class:`~grpo_kit.hf_engine.HFEngine`
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol, runtime_checkable
 
 from grpo_kit import data
-from grpo_kit.config import Config
+from grpo_kit.config import MIN_TEMPERATURE, Config
 from grpo_kit.prompts import cut_completion, prompt_format
 
 
@@ -192,8 +193,9 @@ def group_seed(seed: int, group_id: int) -> int:
 
 
 def check_request(n: int, version: int, max_new_tokens: int, temperature: float, *, has_store: bool) -> None:
-    """Reject bad arguments before any work (any temperature > 0 is fine: the log-probs are of the
-    tempered distribution sampled from, and the trainer scores that one)."""
+    """Reject bad arguments before any work (any temperature from :data:`~grpo_kit.config.MIN_TEMPERATURE`
+    is fine: the log-probs are of the tempered distribution sampled from, and the trainer scores that
+    one; vLLM samples a lower one at that floor)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be an int >= 1, got {n!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -202,8 +204,9 @@ def check_request(n: int, version: int, max_new_tokens: int, temperature: float,
         raise ValueError(f"adapter version {version} requested but the engine has no AdapterStore (pass store=...)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (use greedy() for argmax decoding), got {temperature!r}")
+    if not MIN_TEMPERATURE <= temperature < math.inf:
+        raise ValueError(f"temperature must be in [{MIN_TEMPERATURE}, inf) (use greedy() for argmax decoding; vLLM "
+                         f"samples a lower temperature at {MIN_TEMPERATURE}), got {temperature!r}")
 
 
 def stop_token_ids(tokenizer, generation_config=None, model_config=None) -> list[int]:

@@ -130,6 +130,7 @@ def sweep(
     names = [point_name(p) for p in points]
     if len(set(names)) < len(names):
         raise ValueError(f"grid points share a name: {names}")
+    _refuse_trl_names({**(base_params or {}), **grid})
     max_parallel = default_parallelism() if max_parallel is None else max_parallel
     if max_parallel < 1:
         raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
@@ -256,6 +257,18 @@ def run_config(spec: bytes, run_dir: str) -> dict[str, Any]:
     }
 
 
+def _refuse_trl_names(params: Mapping[str, Any]) -> None:
+    """A notebook reads its config from the kit's field names (:func:`grpo_kit.config.overrides_in`):
+    a TRL name (``learning_rate``) would be injected and never read, so every point would run alike."""
+    from .config import flat_field_names
+    from .trl_config import RENAMES
+
+    trl = sorted(k for k in params if k in RENAMES and k not in set(flat_field_names()))
+    if trl:
+        raise ValueError(f"sweep parameter(s) {trl} are TRL's names, which a notebook does not read: use the kit's "
+                         f"({', '.join(f'{k} -> {RENAMES[k]}' for k in trl)})")
+
+
 def _run_spec(spec_path: str) -> None:
     """The child of :func:`run_config`: the run of one point."""
     import shutil
@@ -333,6 +346,11 @@ def sweep_runs(
         )
     if not jobs:
         raise ValueError("runs is empty")
+    stores = [config.profile(profile, **job["params"]).run.store_url for job in jobs]
+    shared = sorted({u for u in stores if u is not None and stores.count(u) > 1})
+    if shared:  # the runs would publish into one store (FileExistsError, or one run's versions in another's)
+        raise ValueError(f"store_url {shared[0]!r} is shared by several runs: give each run its own (or none: "
+                         "each run's store is then in its run_dir)")
     max_parallel = default_parallelism() if max_parallel is None else max_parallel
     if max_parallel < 1:
         raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
@@ -341,6 +359,12 @@ def sweep_runs(
         from . import cluster
 
         c = config.profile(profile, **jobs[0]["params"]).cluster
+        shape = ("n_rollout_workers", "world_size", "n_reward_workers", "n_eval_workers", "threads_per_worker")
+        differ = {k for job in jobs for k in shape
+                  if getattr(config.profile(profile, **job["params"]).cluster, k) != getattr(c, k)}
+        if differ:  # one cluster serves every run: a run that asks for another shape would not get it
+            raise ValueError(f"shared_cluster: the runs differ in {sorted(differ)}; give them one cluster shape "
+                             "(base_params), or run without shared_cluster")
         grpo_client = cluster.connect(
             n_rollout_workers=c.n_rollout_workers,
             n_trainer_workers=c.world_size,

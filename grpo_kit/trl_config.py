@@ -126,12 +126,16 @@ def kit_value(trl_name: str, value: Any) -> Any:
     return value
 
 
-def kit_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
+def kit_names(overrides: Mapping[str, Any], policy_loss: str | None = None) -> dict[str, Any]:
     """``overrides`` with the TRL names of :data:`RENAMES` renamed to the kit's (other names kept as
-    they are); a TRL name given beside its kit name raises.
+    they are); a TRL name given beside its kit name raises. ``policy_loss``: the one the config ends
+    with (an override's, else the config's), for TRL's ``epsilon_high``, whose meaning it changes: with
+    ``cispo`` TRL caps the ratio itself at ``epsilon_high`` (the kit's cap is ``1 + clip_eps_high``).
 
     >>> kit_names({"beta": 0.04, "num_generations": 8, "lr": 1e-5})
     {'kl_beta': 0.04, 'group_size': 8, 'lr': 1e-05}
+    >>> kit_names({"epsilon_high": 5.0}, policy_loss="cispo")
+    {'clip_eps_high': 4.0}
     """
     out: dict[str, Any] = {}
     for k, v in overrides.items():
@@ -140,6 +144,11 @@ def kit_names(overrides: Mapping[str, Any]) -> dict[str, Any]:
             if kit in overrides:
                 raise ValueError(f"{k}= is TRL's name for {kit}=; give one of them, not both")
             out[kit] = kit_value(k, v)
+            if k == "epsilon_high" and policy_loss == "cispo" and v is not None:
+                if not v > 1:
+                    raise ValueError(f"epsilon_high={v!r} with cispo: TRL caps the ratio at epsilon_high itself, "
+                                     "so it must be > 1 (ScaleRL's 5.0); the kit's clip_eps_high is that cap minus 1")
+                out[kit] = v - 1
         else:
             out[k] = v
     return out
@@ -216,9 +225,16 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
     flds = {f.name: f for f in dataclasses.fields(args)}
     val = {name: getattr(args, name) for name in flds}
     kit_fields = set(config.flat_field_names())
+    # TRL-named overrides change the GRPOConfig before it is read, so that coupled settings (epsilon
+    # and epsilon_high with the loss, max_steps) mean what they mean in TRL
+    # (loss_type too: TRL's names a superset of the kit's, cispo and the refused ones included)
+    val.update({k: overrides.pop(k) for k in list(overrides) if k in flds and (k not in kit_fields or k == "loss_type")})
     refused: dict[str, str] = {}
     handled: set[str] = set()
-    out: dict[str, Any] = {"old_logp_source": "trainer", "advantage": "grpo"}  # TRL's ratio and advantage
+    # TRL's ratio and advantage, and its freshness: each batch sampled by the weights being trained
+    # (TRL's generation, in-process or vLLM with the weights synced each step); a pipelined batch here is
+    # a version behind, corrected only by the engine-mismatch weight
+    out: dict[str, Any] = {"old_logp_source": "trainer", "advantage": "grpo", "pipelined": False}
 
     def refuse(name: str, why: str) -> None:
         refused[name] = f"{refused[name]}; {why}" if name in refused else why
@@ -307,6 +323,9 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
         out["iterations"] = val["max_steps"]  # TRL ignores num_train_epochs then
     elif "num_train_epochs" in flds and not _is_default(flds["num_train_epochs"], val["num_train_epochs"]):
         refuse("num_train_epochs", f"{val['num_train_epochs']:g}: the kit counts iterations, not epochs; set max_steps")
+    elif "iterations" not in overrides:
+        warnings.warn(f"max_steps is unset: TRL would train {val.get('num_train_epochs', 3.0):g} epochs of the dataset; "
+                      f"the run takes the {profile!r} profile's iterations (set max_steps, or iterations=)", stacklevel=3)
     if val.get("output_dir") not in (None, "trainer_output"):  # "trainer_output" is TRL's placeholder
         out["run_dir"] = str(val["output_dir"])
     if val.get("reward_weights") is not None:
@@ -346,4 +365,4 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
     for name, (value, msg) in DEFAULT_DIFFERENCES.items():
         if name in val and _plain(val[name]) == value:
             warnings.warn(msg, stacklevel=3)  # the caller of config.from_trl
-    return config.profile(profile, **{**out, **kit_names(overrides)})
+    return config.profile(profile, **{**out, **kit_names(overrides, overrides.get("policy_loss", out.get("policy_loss")))})

@@ -208,7 +208,24 @@ def test_sweep_runs_validates_every_point_before_any_runs(tmp_path):
         sweep.sweep_runs({"typo": {"policy_loss": "gpso"}}, "tiny", {}, tmp_path, client=object())
     with pytest.raises(ValueError, match="not file-name safe"):
         sweep.sweep_runs({"a/b": {}}, "tiny", {}, tmp_path, client=object())
+    # review findings: runs sharing one store would publish into each other's; a shared cluster
+    # sized by the first run would not give another run its shape
+    with pytest.raises(ValueError, match="store_url '/tmp/one-store' is shared by several runs"):
+        sweep.sweep_runs({"a": {}, "b": {}}, "tiny", {"store_url": "/tmp/one-store"}, tmp_path, client=object())
+    with pytest.raises(ValueError, match=r"shared_cluster: the runs differ in \['n_rollout_workers'\]"):
+        sweep.sweep_runs({"a": {}, "b": {"n_rollout_workers": 2}}, "tiny", {}, tmp_path, client=object(), shared_cluster=True)
     assert not list(tmp_path.iterdir())  # nothing ran (the client is never used)
+
+
+def test_a_notebook_sweep_refuses_trl_names_the_notebook_would_not_read(tmp_path):
+    """Review finding: learning_rate= passed profile()'s check but the run notebook reads only the kit's
+    names (config.overrides_in), so every point ran with the profile's lr."""
+    nb = tmp_path / "nb.ipynb"
+    nb.write_text("{}")
+    with pytest.raises(ValueError, match=r"\['learning_rate'\] are TRL's names.*learning_rate -> lr"):
+        sweep.sweep(nb, {"learning_rate": [1e-3, 2e-3]}, {}, tmp_path / "out", client=object())
+    with pytest.raises(ValueError, match=r"\['beta'\] are TRL's names"):
+        sweep.sweep(nb, {"lr": [1e-3]}, {"beta": 0.04}, tmp_path / "out", client=object())
 
 
 def _run(name, curve, acc_before=0.25):

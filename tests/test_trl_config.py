@@ -16,8 +16,9 @@ GRPOConfig = pytest.importorskip("trl").GRPOConfig
 
 
 def trl_args(**kw):
-    """A GRPOConfig that builds on any machine (TRL's bf16 default needs a GPU, or use_cpu)."""
-    return GRPOConfig(use_cpu=True, **kw)
+    """A GRPOConfig that builds on any machine (TRL's bf16 default needs a GPU, or use_cpu), with a
+    length (max_steps; unset, the kit warns that the profile's iterations replace TRL's epochs)."""
+    return GRPOConfig(use_cpu=True, **{"max_steps": 10, **kw})
 
 
 def from_trl(args, profile="smoke", **kw):
@@ -37,9 +38,13 @@ def test_importing_trl_leaks_no_environment_into_the_suite():
 
 
 def test_trl_defaults_round_trip():
-    args = trl_args()
-    with pytest.warns(UserWarning, match="lr_scheduler_type='linear'"):  # the one default the kit does otherwise
+    args = GRPOConfig(use_cpu=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         cfg = config.from_trl(args, "smoke")
+    # the defaults the kit does otherwise: a decaying learning rate, and epochs (max_steps unset)
+    assert sorted(str(w.message)[:40] for w in caught) == [
+        "TRL's default lr_scheduler_type='linear'", "max_steps is unset: TRL would train 3 ep"]
     assert Config.from_dict(cfg.to_dict()) == cfg  # a valid Config, as config.json stores it
     flat = cfg.flat()
     for trl_name, kit in RENAMES.items():  # every one-to-one name, checked against the GRPOConfig attribute
@@ -55,6 +60,7 @@ def test_trl_defaults_round_trip():
     assert cfg.loss.importance_sampling_correction is args.vllm_importance_sampling_correction is True
     assert (cfg.loss.importance_sampling_mode, cfg.loss.importance_sampling_cap) == ("sequence_mask", 3.0)
     assert (cfg.loss.old_logp_source, cfg.loss.advantage) == ("trainer", "grpo")  # TRL's ratio and advantage
+    assert not cfg.run.pipelined and cfg.run.depth == 0  # TRL samples with the weights it trains (review finding)
     # what a GRPOConfig does not say stays the profile's (max_steps=-1 and output_dir unset included)
     smoke = config.profile("smoke")
     assert (cfg.model, cfg.data, cfg.cluster) == (smoke.model, smoke.data, smoke.cluster)
@@ -88,6 +94,26 @@ def test_each_mapping(tmp_path):
     # overrides (the kit's names or TRL's) come last
     over = from_trl(args, "tiny", kl_beta=0.1, num_generations=6, iterations=3)
     assert (over.loss.kl_beta, over.sampling.group_size, over.run.iterations) == (0.1, 6, 3)
+
+
+@pytest.mark.parametrize(
+    "args, over, policy_loss, clip",
+    [  # review finding: TRL-named overrides were mapped one to one, past the loss they are coupled with
+        ({"loss_type": "cispo", "epsilon_high": 5.0}, {"epsilon_high": 3.0}, "cispo", (0.2, 2.0)),  # TRL caps at 3
+        ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"epsilon": 3e-4}, "gspo", (3e-4, 3e-4)),
+        ({}, {"loss_type": "cispo", "epsilon_high": 4.0}, "cispo", (0.2, 3.0)),
+        ({}, {"max_steps": 7}, "grpo", (0.2, 0.2)),
+    ],
+)
+def test_trl_named_overrides_change_the_grpo_config_first(args, over, policy_loss, clip):
+    cfg = from_trl(trl_args(lr_scheduler_type="constant", **args), "tiny", **over)
+    lo = cfg.loss
+    assert (lo.policy_loss, (lo.clip_eps, lo.clip_eps if lo.clip_eps_high is None else lo.clip_eps_high)) == (policy_loss, clip)
+    assert cfg.run.iterations == over.get("max_steps", 10)
+    # the same TRL name as a profile override: converted for the loss the config ends with
+    assert config.profile("tiny", policy_loss="cispo", epsilon_high=5.0).loss.clip_eps_high == 4.0
+    with pytest.raises(ValueError, match="epsilon_high=0.28 with cispo"):
+        config.profile("tiny", policy_loss="cispo", epsilon_high=0.28)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +160,7 @@ def test_loss_types_refused(kw, msg):
 def test_unmapped_non_defaults_are_refused_in_one_error():
     args = trl_args(
         logging_steps=1, top_p=0.9, num_iterations=2, mask_truncated_completions=True, beta=0.04,
-        num_train_epochs=1, steps_per_generation=4, optim="adafactor", lr_scheduler_type="cosine",
+        num_train_epochs=1, max_steps=-1, steps_per_generation=4, optim="adafactor", lr_scheduler_type="cosine",
         push_to_hub=False,  # TRL's default: not listed
     )
     with pytest.raises(ValueError) as e:
