@@ -273,19 +273,20 @@ def _set_config_dtype(path: Path, dtype: str) -> None:
 
 
 def _check_out(out: str | os.PathLike, force: bool, src: RunSource) -> Path:
-    """``out`` as a Path, refused when it is a file, a non-empty directory without ``force``, or
-    (even with ``force``) the run directory, the base model or the local store, or a folder above one."""
+    """``out`` as a Path, refused when it is a file, a symbolic link, a non-empty directory without
+    ``force``, or (even with ``force``) the run directory, the base model or the local store, a folder
+    above one, or a folder inside the base model or the store (a published version's)."""
     out = Path(out)
+    if out.is_symlink():
+        raise FileExistsError(f"{out} is a symbolic link; export to the directory it points to, {out.resolve()}")
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} exists and is not a directory")
     resolved = out.resolve()
-    protected = [src.run_dir, Path(src.model_path)]
-    if "://" not in src.store.root:
-        protected.append(Path(src.store.root))
-    for p in protected:
+    inside_too = [Path(src.model_path)] + ([Path(src.store.root)] if "://" not in src.store.root else [])
+    for p, deep in [(src.run_dir, False), *((q, True) for q in inside_too)]:  # <run_dir>/export is fine
         p = p.resolve()
-        if resolved == p or resolved in p.parents:
-            raise ValueError(f"refusing to export into {out}: it is or holds {p}, which the export reads")
+        if resolved == p or resolved in p.parents or (deep and p in resolved.parents):
+            raise ValueError(f"refusing to export into {out}: it is, holds or sits inside {p}, which the export reads")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise FileExistsError(f"{out} exists and is not empty; pass --force (force=True) to replace it")
     return out
@@ -307,9 +308,20 @@ class _staging:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return
-        if self.out.exists():
-            shutil.rmtree(self.out)  # empty, or force (checked before the export started)
-        os.rename(self.tmp, self.out)
+        old = None
+        try:
+            if self.out.exists():  # empty, or force (checked before the export started): set aside, not deleted
+                old = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.old-"))
+                os.replace(self.out, old / "out")
+            os.rename(self.tmp, self.out)
+        except BaseException:
+            if old is not None and not self.out.exists():
+                os.replace(old / "out", self.out)  # the previous export back where it was
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        finally:
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_record(tmp: Path, src: RunSource, version: int, kind: str, **extra) -> None:

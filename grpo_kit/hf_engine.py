@@ -12,7 +12,7 @@ from typing import Any
 from grpo_kit import data
 from grpo_kit.config import Config
 from grpo_kit.prompts import PromptFormat, cut_completion, encode_prompts
-from grpo_kit.rollout import Continuation, Rollout, check_request, group_seed, make_rollout, stop_token_ids
+from grpo_kit.rollout import Continuation, Rollout, check_request, check_turn, group_seed, make_rollout, stop_token_ids
 
 
 class HFEngine:
@@ -184,9 +184,7 @@ class HFEngine:
         if not prompts:
             return []
         for i, (p, m) in enumerate(zip(prompts, max_new_tokens, strict=True)):
-            if not p or len(p) + m > self.max_model_len:
-                raise ValueError(f"row {i}: a prompt of {len(p)} ids + max_new_tokens={m} does not fit "
-                                 f"max_model_len={self.max_model_len} (or the prompt is empty)")
+            check_turn(p, m, self.max_model_len, f"row {i}")
         ids = torch.full((B, width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):  # left-padded; positions count real tokens only

@@ -209,6 +209,16 @@ def check_request(n: int, version: int, max_new_tokens: int, temperature: float,
                          f"samples a lower temperature at {MIN_TEMPERATURE}), got {temperature!r}")
 
 
+def check_turn(prompt: Sequence[int], max_new_tokens: int, max_model_len: int, what: str) -> None:
+    """Refuse a token-id prompt that is empty or cannot take ``max_new_tokens`` more, and a
+    ``max_new_tokens`` below 1 (both engines' ``sample_ids`` and vLLM's turn batches)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{what}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not prompt or len(prompt) + max_new_tokens > max_model_len:
+        raise ValueError(f"{what}: a prompt of {len(prompt)} ids + max_new_tokens={max_new_tokens} does not fit "
+                         f"max_model_len={max_model_len} (or the prompt is empty)")
+
+
 def stop_token_ids(tokenizer, generation_config=None, model_config=None) -> list[int]:
     """The ids a completion ends at: the tokenizer's EOS plus those the model's generation config
     names (``generation_config.json``), or, where it names none or the model has none, those of its

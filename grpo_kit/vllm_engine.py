@@ -69,6 +69,7 @@ from grpo_kit.rollout import (
     Continuation,
     Rollout,
     check_request,
+    check_turn,
     engine_batch_seqs,
     group_seed,
     make_rollout,
@@ -389,10 +390,8 @@ class VLLMEngine:
             yield self.lora_for(version)
 
     def check_turn(self, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
-        """Refuse an empty token-id prompt, or one that cannot take ``max_new_tokens`` more."""
-        if not prompt or len(prompt) + max_new_tokens > self.max_model_len:
-            raise ValueError(f"{what}: a prompt of {len(prompt)} ids + max_new_tokens={max_new_tokens} does not fit "
-                             f"max_model_len={self.max_model_len} (or the prompt is empty)")
+        """:func:`grpo_kit.rollout.check_turn` at this engine's ``max_model_len``."""
+        check_turn(prompt, max_new_tokens, self.max_model_len, what)
 
     def _apply_threads(self) -> None:
         import torch
@@ -412,6 +411,8 @@ class VLLMEngine:
     def continuation(self, out, stop: Sequence[str]) -> Continuation:
         """A finished ``RequestOutput`` as a :class:`~grpo_kit.rollout.Continuation`, cut by the kit's own rule."""
         c = out.outputs[0]
+        if c.finish_reason not in ("stop", "length"):  # abort, error, repetition: not a turn to train on
+            raise RuntimeError(f"vLLM finished a turn with {c.finish_reason!r}")
         ids = list(c.token_ids)
         eos_last = c.finish_reason == "stop" and bool(ids) and ids[-1] in self.stop_ids
         cut = cut_completion(self.tokenizer, ids, "stop" if eos_last else "length", stop)

@@ -139,10 +139,15 @@ def test_errors(run, tiny_path, tmp_path):
     assert (full / "keep.txt").read_text() == "mine"
     export.adapter(run_dir, full, force=True, progress=False)
     assert not (full / "keep.txt").exists() and (full / "adapter_model.safetensors").is_file()
-    for protected in (run_dir, run_dir / "store", tiny_path):  # even --force never replaces what it reads
+    # even --force never replaces what it reads, nor a published version inside the store (review finding)
+    for protected in (run_dir, run_dir / "store", tiny_path, run_dir / "store" / "adapters" / "v000001", Path(tiny_path) / "sub"):
         with pytest.raises(ValueError, match="refusing to export into"):
             export.merged(run_dir, protected, force=True)
     assert (run_dir / "config.json").is_file()
+    link = tmp_path / "link"
+    link.symlink_to(full)  # review finding: rmtree refused the link only after the whole export, leaking its staging
+    with pytest.raises(FileExistsError, match="is a symbolic link"):
+        export.adapter(run_dir, link, force=True, progress=False)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging dir left behind
     empty = tmp_path / "empty-run"
     write_run(empty, config.profile("tiny", run_dir=str(empty)))
@@ -153,6 +158,27 @@ def test_errors(run, tiny_path, tmp_path):
         export.main([str(run_dir), "--version", "7", "--adapter", str(tmp_path / "out")])
     with pytest.raises(SystemExit):
         export.main([str(run_dir)])  # neither --merged nor --adapter
+
+
+def test_a_forced_export_that_fails_to_land_keeps_the_previous_one(run, tmp_path, monkeypatch):
+    """Review finding: --force deleted the old export before renaming the new one in, so a failed
+    rename left neither (and a staging directory nothing cleaned up)."""
+    run_dir, _ = run
+    out = tmp_path / "served"
+    export.adapter(run_dir, out, version=1, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def no_rename(src, dst):
+        raise OSError("rename failed")
+
+    monkeypatch.setattr(export.os, "rename", no_rename)
+    with pytest.raises(OSError, match="rename failed"):
+        export.adapter(run_dir, out, version=2, force=True, progress=False)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["served"]  # no staging or set-aside directory left
+    export.adapter(run_dir, out, version=2, force=True, progress=False)
+    assert json.loads((out / export.EXPORT_RECORD).read_text())["version"] == 2
 
 
 def untied_copy(path, dest):

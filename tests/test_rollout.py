@@ -292,3 +292,8 @@ def test_sample_ids_checks_the_context_row_by_row(engine, problems):
     assert len(out[0].ids) <= 8 and len(out[1].ids) <= 100
     with pytest.raises(ValueError, match="row 0"):
         engine.sample_ids([long], seeds=[0], max_new_tokens=[9])
+    # review findings: a row's budget of 0 sampled one token; a temperature vLLM would raise to 0.01
+    with pytest.raises(ValueError, match="row 0: max_new_tokens must be an int >= 1, got 0"):
+        engine.sample_ids([short, short], seeds=[0, 1], max_new_tokens=[0, 3])
+    with pytest.raises(ValueError, match=r"temperature must be in \[0.01, inf\)"):
+        engine.sample_ids([short], seeds=[0], max_new_tokens=[3], temperature=0.005)

@@ -115,6 +115,18 @@ def test_bad_inputs(engine, problems):
             engine.generate(problems[:1], 2, 1, max_new_tokens=8)
     finally:
         engine.store = store
+    # review findings: vLLM samples a temperature below 0.01 at 0.01 (the trainer would score the one
+    # asked for); a row's budget of 0; a turn vLLM ended otherwise than stop or length
+    with pytest.raises(ValueError, match=r"temperature must be in \[0.01, inf\)"):
+        engine.generate(problems[:1], 2, 0, max_new_tokens=8, temperature=0.005)
+    ids = engine.tokenizer.encode(problems[0].prompt, add_special_tokens=False)
+    with pytest.raises(ValueError, match="row 1: max_new_tokens must be an int >= 1, got 0"):
+        engine.sample_ids([ids, ids], seeds=[0, 1], max_new_tokens=[3, 0])
+    out = engine.llm.generate([engine._TokensPrompt(prompt_token_ids=ids)], engine.turn_params(0, 4, 1.0, ()), use_tqdm=False)[0]
+    assert engine.continuation(out, ()).finish_reason in ("stop", "length")
+    out.outputs[0].finish_reason = "abort"
+    with pytest.raises(RuntimeError, match="finished a turn with 'abort'"):
+        engine.continuation(out, ())
 
 
 def test_alignment_and_version_pickup(engine, store, tiny_path, problems):
