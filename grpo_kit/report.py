@@ -113,7 +113,9 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
         "rejected groups": total("rejected_groups"),
         "tokens": total("tokens"),
         "mean iteration (s)": sum(iter_s) / len(iter_s) if iter_s else None,
-        "wall time (s)": max(s[3] for s in spans) - min(s[2] for s in spans) if spans else None,
+        # the loop's own clock, summed over resumed sessions (first span to last would count the time between them)
+        "wall time (s)": last_number(records, "grpo_wall_s") if last_number(records, "grpo_wall_s") is not None
+        else (max(s[3] for s in spans) - min(s[2] for s in spans) if spans else None),
         **episodes(),
     }
 

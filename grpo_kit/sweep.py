@@ -402,7 +402,7 @@ def sweep_runs(
 def accuracy_curve(records: Sequence[Mapping[str, Any]], acc_before: float | None = None) -> list[tuple[float, float]]:
     """``(GRPO wall seconds, held-out accuracy)`` of a run: each evaluation at the loop's wall time of
     the iteration it finished in (the final one lands on the last record), the base model's at 0."""
-    pts = [(0.0, acc_before)] if acc_before is not None else []
+    pts = [(0.0, acc_before)] if _is_num(acc_before) else []
     return pts + [
         (r["grpo_wall_s"], r["eval_acc"])
         for r in records
@@ -461,7 +461,7 @@ def table(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _axis_value(v: Any) -> Any:

@@ -280,6 +280,11 @@ class TrackerSet:
             except Exception as e:  # noqa: BLE001 - a tracker never fails the run
                 _warn(name, f"failed in {hook}", e)
                 del self.active[name]
+                if hook not in ("on_start", "on_end") and callable(getattr(tracker, "on_end", None)):
+                    try:  # closed, best effort: a TensorBoard writer flushed, an MLflow run not left RUNNING
+                        tracker.on_end(None)
+                    except Exception:  # noqa: BLE001, S110 - it failed already; the warning said so
+                        pass
 
     def start(self, run: RunInfo) -> None:
         self.started = True
@@ -386,6 +391,16 @@ class TensorBoardTracker(Tracker):
 _MLFLOW_KEY = re.compile(r"[^0-9A-Za-z_\-. /]")
 
 
+def mlflow_key(key: str) -> str:
+    """A metric name MLflow accepts: characters it refuses become ``_``, and the path is normalized
+    (no leading, trailing or doubled ``/``: MLflow refuses those, which would drop the tracker).
+
+    >>> mlflow_key("reward_components//lead/"), mlflow_key("eval/pass@k")
+    ('reward_components/lead', 'eval/pass_k')
+    """
+    return "/".join(part for part in _MLFLOW_KEY.sub("_", key).split("/") if part) or "_"
+
+
 class MLflowTracker(Tracker):
     """An MLflow run: metrics, params, the completions tables (``mlflow.log_table``: one file each in
     ``completions/``) and ``report.html`` as artifacts. The tracking URI is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else a file
@@ -419,7 +434,7 @@ class MLflowTracker(Tracker):
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(_MLFLOW_KEY.sub("_", k), v, ts, step)
+        self.client.log_batch(self.run_id, metrics=[Metric(mlflow_key(k), v, ts, step)
                                                     for k, v in scalars.items()])
 
     def on_table(self, rows: list[dict], step: int) -> None:

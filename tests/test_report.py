@@ -188,3 +188,13 @@ def test_report_renders_in_headless_chromium(written, tmp_path):
         [*flags, f"--screenshot={shot}", "--window-size=1400,4000", url], capture_output=True, text=True, timeout=180
     )
     assert snap.returncode == 0 and shot.stat().st_size > 50_000, snap.stderr[-3000:]
+
+
+def test_wall_time_is_the_loops_clock_not_the_gap_between_sessions():
+    """Review finding: two 10 s iterations two days apart (a resumed run) reported 172,810 s."""
+    day = 86400.0
+    recs = [{"iteration": 0, "grpo_wall_s": 10.0, "spans": [{"name": "generate", "start": 0.0, "end": 10.0}]},
+            {"iteration": 1, "grpo_wall_s": 20.0, "spans": [{"name": "generate", "start": 2 * day, "end": 2 * day + 10}]}]
+    assert report.final_numbers(recs)["wall time (s)"] == 20.0
+    old = [{k: v for k, v in r.items() if k != "grpo_wall_s"} for r in recs]  # records without the loop's clock
+    assert report.final_numbers(old)["wall time (s)"] == 2 * day + 10

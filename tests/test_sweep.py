@@ -239,6 +239,8 @@ def test_accuracy_curve_and_time_to_target():
     assert sweep.accuracy_curve(run["records"], 0.25) == [(0.0, 0.25), (2.5, 0.5), (4.0, 0.95), (6.0, 0.9)]
     assert sweep.time_to(run["records"], 0.9) == 4.0  # the first evaluation at or past the target
     assert sweep.time_to(run["records"], 0.99) is None
+    nan = _run("b", [(1.0, float("nan")), (2.0, 0.5)])  # review finding: NaN points were kept
+    assert sweep.accuracy_curve(nan["records"], float("nan")) == [(2.0, 0.5)]
 
 
 def test_compare_figure_draws_each_run_in_every_panel_and_skips_failures():

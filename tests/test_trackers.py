@@ -10,6 +10,7 @@ import glob
 import json
 import struct
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -465,3 +466,21 @@ def test_a_failed_run_is_marked_failed_in_mlflow_and_wandb(tmp_path, tracker_env
                  if r.WhichOneof("record_type") == "exit"]
         statuses[name] = (run.info.status, exits)
     assert statuses == {"failed": ("FAILED", [1]), "stopped": ("KILLED", [1])}
+
+
+def test_a_tracker_dropped_for_failing_is_closed_once():
+    """Review finding: a tracker that raised was dropped without on_end (a TensorBoard writer left
+    open, an MLflow run left RUNNING)."""
+
+    class FailsThenCloses(Recorder):
+        def on_log(self, scalars, step):
+            raise ConnectionError("down")
+
+    bad, good = FailsThenCloses(), Recorder()
+    ts = TrackerSet({"bad": bad, "good": good})
+    ts.start(RunInfo.for_run(Path(tempfile.mkdtemp()), {}))
+    with pytest.warns(RuntimeWarning, match="'bad' failed in on_log"):
+        ts.on_record(_record(0))
+    ts.on_record(_record(1))
+    ts.end(None)
+    assert [c[0] for c in bad.calls] == ["start", "end"] and [c[0] for c in good.calls] == ["start", "log", "log", "end"]
