@@ -73,8 +73,10 @@ _BOXED_MAX = 64  # a boxed answer longer than this is not a number
 
 @dataclass(frozen=True, slots=True)
 class RewardResult:
-    score: float
-    """Reward: 1.0 if correct, else 0.0, plus ``format_bonus`` when the answer is in ``#### <n>`` form."""
+    score: float | None
+    """Reward: 1.0 if correct, else 0.0, plus ``format_bonus`` when the answer is in ``#### <n>`` form;
+    None where the reward did not score the completion (it does not apply, or was not run), with why
+    in ``reason``."""
     parsed: float | None
     """The number read from the completion, or None when none could be read."""
     reason: str

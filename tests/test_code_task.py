@@ -91,3 +91,22 @@ def test_task_through_resolve_scores_a_batch():
     assert [s.reward for s in scores] == [1.0, 1.0, 0.0, 0.0], [s.reason for s in scores]
     assert [s.correct for s in scores] == [True, True, False, False]
     assert "AssertionError" in scores[2].reason and "timed out" in scores[3].reason
+
+
+def test_a_batch_past_its_time_bound_leaves_the_rest_unscored_and_returns_in_time():
+    """Review finding: a batch of hanging code could run past the scorer's 60 s bound (the whole batch
+    then scored 0 while its abandoned thread kept starting sandboxes). Completions not started within
+    batch_timeout_s are not run: score None (unscorable), never a guessed 0, and the call returns."""
+    import time
+
+    hang = "    while True:\n        pass\n"
+    n = 4
+    t0 = time.monotonic()
+    out = code_reward([ROW["prompt"]] * n, [hang] * (n - 1) + [BODY], [ROW["test"]] * n, [ROW["entry_point"]] * n,
+                      timeout_s=1.0, workers=1, batch_timeout_s=0.5)
+    took = time.monotonic() - t0
+    assert out[0].score == 0.0 and "timed out" in out[0].reason  # started in time: run to its limit
+    assert [r.score for r in out[1:]] == [None] * 3 and all("not run" in r.reason for r in out[1:])
+    assert took < 0.5 + 1.0 + 3.0, took  # the bound, the last started sandbox's limit, and start-up slack
+    scores = resolve("code").scorer().score_problems([humaneval_problems("heldout")[0]] * 3, [hang, BODY, "x"])
+    assert [s.reward for s in scores] == [0.0, 1.0, 0.0]  # run within the default budget: scored, never None

@@ -475,10 +475,10 @@ def as_list(out) -> list | None:
 def _value(x) -> tuple[float | None, str | None]:
     """A reward item as a float, None where the function did not score it (None or NaN, as TRL
     counts both), or the reason it is not a number."""
-    if x is None:
-        return None, None
     if isinstance(x, RewardResult):
         x = x.score
+    if x is None:
+        return None, None
     if isinstance(x, str | bytes) or not hasattr(x, "__float__"):
         return None, f"returned {type(x).__name__} {x!r:.40}, not a number"
     try:

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import time
 from collections.abc import Sequence
 
 from ..data import Problem
@@ -37,6 +38,8 @@ INSTRUCTION = ("Complete the Python function above. Reply with the complete func
                "signature, in a single ```python code block.")
 HELDOUT_EVERY = 5
 """HumanEval/k is held out when k is a multiple of this."""
+BATCH_TIMEOUT_S = 45.0
+""":func:`code_reward`'s default start-by bound for one batch's completions (see there)."""
 
 _FENCE_RE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -118,12 +121,15 @@ def _reason(r) -> str:
 
 def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequence[str], entry_point: Sequence[str],
                 prompt: Sequence[str] | None = None, timeout_s: float = 10.0, workers: int | None = None,
-                **_) -> list[RewardResult]:
+                batch_timeout_s: float | None = BATCH_TIMEOUT_S, **_) -> list[RewardResult]:
     """1.0 when the completion's code passes the problem's tests in the sandbox, else 0.0 with the reason
     (TRL's signature; ``prompt`` is the HumanEval prompt column, falling back to ``prompts``). The
     completions run at once on ``workers`` threads (default: 4 per CPU, at most 32), each in its own
-    pair of sandboxes, so a batch of ``n`` takes at most about ``ceil(n / workers) * timeout_s``: keep the
-    scorer's own per-batch bound (``Scorer.timeout_s``) above that.
+    pair of sandboxes bounded by ``timeout_s``. A completion not started within ``batch_timeout_s`` of
+    the call is not run: its score is None ("not run", so it is unscorable unless another reward
+    scores it) rather than a guess. So the call returns within about ``batch_timeout_s + timeout_s``
+    (55 s by default), inside the scorer's own per-batch bound (``Scorer.timeout_s``, 60 s), past
+    which the whole batch would score 0 while its abandoned thread went on starting sandboxes.
 
     >>> row = load_humaneval()[0]
     >>> [r.score for r in code_reward([row["prompt"]] * 2, [row["canonical_solution"], "    return False\\n"],
@@ -138,9 +144,17 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
     jobs = [(*split_program(h, c, t, e), e) for h, c, t, e in zip(heads, completions, test, entry_point, strict=True)]
     limits = SandboxLimits(timeout_s=timeout_s)
     workers = workers or min(32, 4 * (os.cpu_count() or 1))
+    deadline = None if batch_timeout_s is None else time.monotonic() + batch_timeout_s
+
+    def one(job):
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        return run_tests(job[0], job[3], job[1], limits)
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        runs = list(pool.map(lambda job: run_tests(job[0], job[3], job[1], limits), jobs))
-    return [RewardResult(float(r.passed), None, _reason(r), rule, r.passed, r.passed)
+        runs = list(pool.map(one, jobs))
+    return [RewardResult(None, None, f"not run: the batch's {batch_timeout_s:g} s (batch_timeout_s) ran out", rule)
+            if r is None else RewardResult(float(r.passed), None, _reason(r), rule, r.passed, r.passed)
             for r, (_, _, rule, _) in zip(runs, jobs, strict=True)]
 
 
