@@ -65,24 +65,34 @@ class HFEngine:
         )
         self._base = model.to(self.device).eval()
         self._model = self._base  # becomes a PeftModel on the first adapter
-        self._loaded: int | None = None  # version of the active adapter
+        self._loaded: str | None = None  # name of the resident adapter (None: none loaded yet)
+        self._loaded_key: tuple | None = None  # (version, publish attempt) it was loaded from
+        self._adapters = 0  # adapters loaded so far: each gets a name of its own
 
     # ---- adapters --------------------------------------------------------------------------------
 
     def _activate(self, version: int) -> None:
-        if version == 0 or version == self._loaded:
+        """Load adapter ``version`` unless the one loaded is that version's current publish: keyed by
+        (version, attempt), read fresh, so a version taken back and published anew is never served
+        from the old weights."""
+        if version == 0:
+            return
+        key = (version, self.store.attempt(version))  # VersionNotFoundError for an unpublished version
+        if key == self._loaded_key:
             return
         from peft import PeftModel
 
-        path = self.store.fetch(version)  # VersionNotFoundError for an unpublished version
-        name = f"v{version}"
-        if self._loaded is None:
+        path = self.store.fetch(version)
+        self._adapters += 1
+        name, old = f"v{version}-{self._adapters}", self._loaded
+        if old is None:
             self._model = PeftModel.from_pretrained(self._base, path, adapter_name=name).eval()
         else:
+            self._loaded_key = None  # a failure below leaves the active adapter unknown: reload next call
             self._model.load_adapter(path, adapter_name=name)
             self._model.set_adapter(name)
-            self._model.delete_adapter(f"v{self._loaded}")  # keep one adapter resident
-        self._loaded = version
+            self._model.delete_adapter(old)  # keep one adapter resident
+        self._loaded, self._loaded_key = name, key
 
     def _policy(self, version: int):
         """The model and a context manager that selects ``version`` (0: adapter disabled)."""

@@ -181,7 +181,8 @@ class VLLMEngine:
         max_lora_rank = vllm_lora_rank(max_lora_rank)
         if self.lora_mode == "merged" and not in_process:
             raise ValueError("lora_mode='merged' loads weights into the model in this process: use in_process=True")
-        self._loaded_version = 0
+        self._loaded_version: tuple | None = (0, None)  # (version, publish attempt) of the merged weights
+        self._lora_ids: dict[tuple, int] = {}  # (version, attempt) -> vLLM LoRA id (request mode)
         self._base_weights: dict | None = None
         self._tied_embeddings: bool | None = None  # read on the first merge
         self._lock = threading.Lock()  # one call at a time: in merged mode a call owns the weights
@@ -251,12 +252,18 @@ class VLLMEngine:
             return None
         if version == 0:
             return None
-        path = self.store.fetch(version)  # VersionNotFoundError for an unpublished version
-        return self._LoRARequest(lora_name=f"v{version}", lora_int_id=version + 1, lora_path=path)
+        # keyed by the publish attempt (read fresh): a version taken back and published anew gets a LoRA
+        # id of its own, so vLLM's LoRA cache never serves the old weights under the same version
+        key = (version, self.store.attempt(version))  # VersionNotFoundError for an unpublished version
+        path = self.store.fetch(version)
+        lora_id = self._lora_ids.setdefault(key, len(self._lora_ids) + 1)
+        return self._LoRARequest(lora_name=f"v{version}-{lora_id}", lora_int_id=lora_id, lora_path=path)
 
     def _load_merged(self, version: int) -> None:
-        """Make the model's weights those of base + adapter ``version`` (merged mode)."""
-        if version == self._loaded_version:
+        """Make the model's weights those of base + adapter ``version`` (merged mode), unless they are
+        of that version's current publish already (keyed by its attempt, read fresh)."""
+        key = (version, self.store.attempt(version) if version else None)
+        if key == self._loaded_version:
             return
         if version != 0 and self._tied_embeddings is None:
             self._tied_embeddings = lora_merge.ties_word_embeddings(self.model_path)
@@ -283,7 +290,7 @@ class VLLMEngine:
                 raise RuntimeError("vLLM could not reset its prefix cache after a weight change")
         if misses.unexpected:
             raise RuntimeError(f"vLLM loaded no weights into {sorted(set(misses.unexpected))} for adapter v{version}")
-        self._loaded_version = version
+        self._loaded_version = key
 
     def _params(self, **kw):
         extra = {"flat_logprobs": True} if self._flat else {}

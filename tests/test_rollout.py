@@ -297,3 +297,16 @@ def test_sample_ids_checks_the_context_row_by_row(engine, problems):
         engine.sample_ids([short, short], seeds=[0, 1], max_new_tokens=[0, 3])
     with pytest.raises(ValueError, match=r"temperature must be in \[0.01, inf\)"):
         engine.sample_ids([short], seeds=[0], max_new_tokens=[3], temperature=0.005)
+
+
+def test_a_version_published_anew_is_never_served_from_the_old_weights(engine, store, tiny_path, problems):
+    """Review finding: the HF engine kept the adapter it had loaded for a version number, so a version
+    taken back and published anew was sampled from the old weights under the new label."""
+    store.publish(perturbed_adapter(tiny_path, seed=5), 5)
+    first = engine.generate(problems[:6], 6, 5, max_new_tokens=MAX_NEW, seed=0)
+    other = AdapterStore(store.root)  # the trainer's side: take v5 back, publish another v5
+    other.delete(5)
+    other.publish(perturbed_adapter(tiny_path, seed=6), 5)
+    again = engine.generate(problems[:6], 6, 5, max_new_tokens=MAX_NEW, seed=0)
+    assert_aligned(dlogp(scorer(tiny_path, AdapterStore(store.root), 5), again))
+    assert [r.completion_ids for r in again] != [r.completion_ids for r in first]

@@ -442,3 +442,18 @@ def test_quieted_silences_a_logger_and_its_children_and_restores_their_levels():
     finally:
         for lg in (root, own_low, own_high):
             lg.setLevel(logging.NOTSET)
+
+
+def test_a_version_published_anew_is_never_served_from_the_old_weights(engine, store, tiny_path, problems):
+    """Review finding: both LoRA modes keyed the loaded adapter by version number alone (merged: the
+    weights; request: lora_int_id = version + 1, which vLLM's LoRA cache never reloads), so a version
+    taken back and published anew was sampled from the old weights under the new label."""
+    v = {"merged": 5, "request": 6}[engine.lora_mode]  # one module store for both modes
+    store.publish(perturbed_adapter(tiny_path, seed=5), v)
+    first = engine.generate(problems[:6], 6, v, max_new_tokens=MAX_NEW, seed=0)
+    other = AdapterStore(store.root)  # the trainer's side: take the version back, publish it anew
+    other.delete(v)
+    other.publish(perturbed_adapter(tiny_path, seed=6), v)
+    again = engine.generate(problems[:6], 6, v, max_new_tokens=MAX_NEW, seed=0)
+    assert_aligned(dlogp(scorer(tiny_path, AdapterStore(store.root), v), again))
+    assert [r.completion_ids for r in again] != [r.completion_ids for r in first]
