@@ -307,7 +307,12 @@ def grpo_step(
         out = model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=False)
         (sum((p.sum() for p in params), out.logits.sum()) * 0.0).backward()
 
-    # (4) clip, step, stats
+    # (4) clip, step, stats. A parameter no backward reached (a batch whose rows all lack an
+    # advantage, skipped) gets a zero gradient, as the whole-batch update and DDP's reduced buckets
+    # give it: the optimizer still steps (AdamW's decay and moments, its step count)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     optimizer.step()

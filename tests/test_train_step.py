@@ -349,6 +349,28 @@ def test_all_zero_advantage_batch_without_kl_does_no_work():
     assert all(torch.equal(v, before[k]) for k, v in lora_params(model).items())
 
 
+def test_an_all_zero_advantage_batch_still_steps_the_optimizer_as_the_whole_batch_would():
+    """Review finding: with no row left to run, no gradient existed and AdamW skipped every parameter
+    (no decay, no moment update, no step count) in one process, while DDP (zero reduced gradients)
+    and the whole-batch update step: single- and multi-rank runs diverged from then on."""
+    import copy
+
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+    batch = make_batch(6, seed=6, zero_adv=range(6), group=3)
+    grpo_step(model, opt, batch, LossConfig(kl_beta=0.0), OptimConfig())
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)  # the whole batch's gradient: exactly 0
+    ref_opt.step()
+    got, want = lora_params(model), lora_params(ref)
+    assert any(not torch.equal(v, lora_params(tiny_model())[k]) for k, v in got.items())  # weight decay moved them
+    assert all(torch.equal(v, want[k]) for k, v in got.items())
+    assert [s["step"] for s in opt.state.values()] == [s["step"] for s in ref_opt.state.values()] and opt.state
+
+
 # ---------------------------------------------------------------- episode masks (environment tokens in the stream)
 
 
