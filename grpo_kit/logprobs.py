@@ -25,6 +25,24 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def attention_window(model: nn.Module) -> int | None:
+    """The sliding attention window of a model's layers (Gemma-2/3, Mistral-v0.1, Qwen with
+    ``use_sliding_window``), or None where every layer attends to the whole sequence. The shared-
+    prompt forwards (:func:`shared_prompt_logprobs`, packed ``share_prompt``) place completions at
+    cache indices past the padded prompt, which a window counts in: they are exact only where no
+    sequence is longer than the window."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 def token_logprobs(
     model: nn.Module,
     input_ids: Tensor,

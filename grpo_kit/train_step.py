@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -56,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from grpo_kit import algorithms
 from grpo_kit.config import LossConfig, OptimConfig
-from grpo_kit.logprobs import shared_prompt_logprobs, token_logprobs
+from grpo_kit.logprobs import attention_window, shared_prompt_logprobs, token_logprobs
 from grpo_kit.loss import LossStats, Normalizer, mismatch_sums
 from grpo_kit.packing import balanced_shard_sizes, micro_batch_bounds, packed_costs, packed_logprobs
 
@@ -257,11 +258,19 @@ def grpo_step(
     if skip and not bool((shard.adv != 0).all()):
         shard = shard[(shard.adv != 0).nonzero().squeeze(1)]  # no loss term without an advantage (module docstring)
 
-    # (2) local micro-batches; gradients accumulate without communication
+    # (2) local micro-batches; gradients accumulate without communication. Shared prompts only
+    # where no sequence outruns a sliding attention window (logprobs.attention_window)
+    window = attention_window(module)
+    share = optim_cfg.share_prompt and (window is None or batch.input_ids.shape[1] <= window)
+    if optim_cfg.share_prompt and not share:
+        # one text per model: Python's default filter shows it once per process, not every step
+        warnings.warn(f"share_prompt is off for batches with sequences longer than the model's sliding attention "
+                      f"window ({window} tokens): a shared prompt's cache positions would misplace the window "
+                      "(set share_prompt=False to silence this)", RuntimeWarning, stacklevel=2)
     if optim_cfg.packing:
-        logprobs_fn = functools.partial(packed_logprobs, share_prompt=optim_cfg.share_prompt)
+        logprobs_fn = functools.partial(packed_logprobs, share_prompt=share)
     else:
-        logprobs_fn = shared_prompt_logprobs if optim_cfg.share_prompt else token_logprobs
+        logprobs_fn = shared_prompt_logprobs if share else token_logprobs
     loss_sum = torch.zeros((), dtype=f64, device=device)
     trainer_old = loss_cfg.old_logp_source == "trainer"
     correct = trainer_old and loss_cfg.importance_sampling_correction

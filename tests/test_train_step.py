@@ -12,6 +12,7 @@ import math
 import socket
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -62,11 +63,12 @@ def float64_norms(monkeypatch):
     monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", _rmsnorm_in_input_dtype)
 
 
-def tiny_model(seed: int = 0, attn: str = "sdpa"):
+def tiny_model(seed: int = 0, attn: str = "sdpa", **config):
     """A random float64 Qwen3 with a LoRA adapter whose B matrices are non-zero (so the adapter
-    changes the logits and the KL to the adapter-disabled model is exercised)."""
+    changes the logits and the KL to the adapter-disabled model is exercised); ``config``: more
+    Qwen3Config fields."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(
+    cfg = Qwen3Config(**config,
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=2,
@@ -347,6 +349,31 @@ def test_all_zero_advantage_batch_without_kl_does_no_work():
     stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), OptimConfig())
     assert seen.rows == 0 and stats["loss"] == 0 and stats["tokens_trained"] == 0 and stats["grad_norm"] == 0
     assert all(torch.equal(v, before[k]) for k, v in lora_params(model).items())
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_sliding_window_model_trains_without_shared_prompts_past_its_window(packing):
+    """Review finding: the shared-prompt forwards put completions at cache indices past the padded
+    prompt, which a sliding window counts (Gemma-2/3, Mistral-v0.1): log-probs off by 0.08 on
+    sequences longer than the window. Past it, share_prompt is off for the step (with a warning), so
+    the update is the unshared one; within it, shared prompts stay on."""
+    from grpo_kit.logprobs import attention_window
+
+    windowed = {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}
+    assert attention_window(tiny_model(**windowed)) == 4 and attention_window(tiny_model()) is None
+    batch = make_batch(6, seed=3, group=3)
+    assert batch.input_ids.shape[1] > 4
+    updates = {}
+    for share in (False, True):
+        model = tiny_model(**windowed)
+        before = lora_params(model)
+        cfg = OptimConfig(share_prompt=share, packing=packing, micro_batch_tokens=10_000)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), cfg)
+        assert any("sliding attention window (4 tokens)" in str(w.message) for w in caught) == share
+        updates[share] = {k: v - before[k] for k, v in lora_params(model).items()}
+    assert all(torch.allclose(updates[True][k], updates[False][k], rtol=1e-9, atol=1e-12) for k in updates[False])
 
 
 def test_an_all_zero_advantage_batch_still_steps_the_optimizer_as_the_whole_batch_would():
