@@ -54,9 +54,9 @@ class RoleSLURMCluster(SLURMCluster):
 
     def add_jobs(self, role: str, n: int, **job_kwargs) -> list[str]:
         """Add ``n`` jobs whose workers advertise ``role=1``; ``job_kwargs`` override this cluster's
-        job options for them (e.g. ``job_extra_directives=["--gres=gpu:1"]``). Returns their names."""
-        opts = dict(self.new_spec["options"], **job_kwargs)
-        opts["worker_extra_args"] = [*(opts.get("worker_extra_args") or []), "--resources", f"{role}=1"]
+        job options for them (e.g. ``job_extra_directives=["--gres=gpu:1"]``; :func:`role_options`).
+        Returns their names."""
+        opts = role_options(self.new_spec["options"], role, job_kwargs)
         names = []
         first = sum(k.startswith(role + "-") for k in self.worker_spec)
         for i in range(first, first + n):
@@ -65,6 +65,54 @@ class RoleSLURMCluster(SLURMCluster):
             names.append(name)
         self.scale(jobs=len(self.worker_spec))
         return names
+
+
+def thread_exports(threads: int) -> list[str]:
+    """The job script's ``export`` lines: non-daemonic workers, and ``threads`` for torch and BLAS."""
+    env = {**WORKER_ENV, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "GRPO_KIT_THREADS": threads}
+    return [f"export {k}={v}" for k, v in env.items()]
+
+
+def role_options(cluster_options: dict, role: str, job_kwargs: dict) -> dict:
+    """A role's job options: ``job_kwargs`` over the cluster's, where the kit's own settings survive
+    a role's lists instead of being replaced by them: ``worker_extra_args`` are the cluster's, the
+    role's, then ``--memory-limit 0`` and ``--resources role=1``; ``job_directives_skip`` keeps
+    ``--mem``; ``job_script_prologue`` is the cluster's, the exports again with the role's ``cores``
+    when it sets them (a later ``export`` wins), then the role's lines.
+
+    >>> o = role_options({"cores": 1, "worker_extra_args": ["--memory-limit", "0"], "job_directives_skip": ["--mem"],
+    ...                   "job_script_prologue": ["export A=1"]}, "trainer",
+    ...                  {"cores": 4, "worker_extra_args": ["--lifetime", "10h"], "job_directives_skip": ["--exclusive"]})
+    >>> o["worker_extra_args"], o["job_directives_skip"], o["job_script_prologue"][-1]
+    (['--memory-limit', '0', '--lifetime', '10h', '--memory-limit', '0', '--resources', 'trainer=1'], ['--mem', '--exclusive'], 'export GRPO_KIT_THREADS=4')
+    """
+    base = dict(cluster_options)
+    opts = {**base, **job_kwargs}
+    opts["worker_extra_args"] = [*(base.get("worker_extra_args") or []), *(job_kwargs.get("worker_extra_args") or []),
+                                 "--memory-limit", "0", "--resources", f"{role}=1"]
+    opts["job_directives_skip"] = list(dict.fromkeys(["--mem", *(base.get("job_directives_skip") or []),
+                                                      *(job_kwargs.get("job_directives_skip") or [])]))
+    opts["job_script_prologue"] = [*(base.get("job_script_prologue") or []),
+                                   *(thread_exports(int(job_kwargs["cores"])) if "cores" in job_kwargs else []),
+                                   *(job_kwargs.get("job_script_prologue") or [])]
+    return opts
+
+
+def cluster_options(threads_per_worker: int = 1, **jobqueue_kwargs) -> dict:
+    """``SLURMCluster``'s options: the user's, with the kit's defaults (one process per job, no
+    ``--mem`` request, no worker memory limit, the exports of :func:`thread_exports` for the job's
+    ``cores``) kept whatever lists the user passes."""
+    kw = {
+        "cores": threads_per_worker,
+        "processes": 1,
+        "memory": "1GB",  # dask-jobqueue requires it; not requested from Slurm, no worker limit (below)
+        "scheduler_options": {"dashboard_address": ":0"},
+        **jobqueue_kwargs,
+    }
+    kw["job_directives_skip"] = list(dict.fromkeys(["--mem", *(kw.get("job_directives_skip") or [])]))
+    kw["job_script_prologue"] = thread_exports(int(kw["cores"])) + list(kw.get("job_script_prologue") or [])
+    kw["worker_extra_args"] = [*(kw.get("worker_extra_args") or []), "--memory-limit", "0"]
+    return kw
 
 
 def slurm_cluster(
@@ -88,19 +136,7 @@ def slurm_cluster(
     ``--mem`` request and no worker memory limit (engines size their own memory), non-daemonic
     workers (``DASK_DISTRIBUTED__WORKER__DAEMON=False`` in the job script).
     """
-    env = {**WORKER_ENV, "OMP_NUM_THREADS": threads_per_worker, "MKL_NUM_THREADS": threads_per_worker,
-           "GRPO_KIT_THREADS": threads_per_worker}
-    kw = {
-        "cores": threads_per_worker,
-        "processes": 1,
-        "memory": "1GB",  # dask-jobqueue requires it; not requested from Slurm, no worker limit (below)
-        "job_directives_skip": ["--mem"],
-        "scheduler_options": {"dashboard_address": ":0"},
-        **jobqueue_kwargs,
-    }
-    kw["job_script_prologue"] = [f"export {k}={v}" for k, v in env.items()] + list(kw.get("job_script_prologue") or [])
-    kw["worker_extra_args"] = [*(kw.get("worker_extra_args") or []), "--memory-limit", "0"]
-    cluster = RoleSLURMCluster(n_workers=0, **kw)
+    cluster = RoleSLURMCluster(n_workers=0, **cluster_options(threads_per_worker, **jobqueue_kwargs))
     try:
         cluster.add_jobs(ROLLOUT, rollout_jobs, **(rollout_job_kwargs or {}))
         cluster.add_jobs(TRAINER, trainer_jobs, **(trainer_job_kwargs or {}))

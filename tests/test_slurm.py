@@ -87,6 +87,30 @@ def _scancel_when(client, part: str, done: list, timeout: float = 240):
     return t
 
 
+def test_a_roles_own_job_options_keep_the_kits_settings():
+    """Review finding: a role's worker_extra_args, job_directives_skip, job_script_prologue or cores
+    replaced the kit's (the worker got dask-jobqueue's 0.93 GiB memory limit and Slurm --mem=954M,
+    daemonic workers, one torch thread on a 16-core job). The job scripts as dask-jobqueue writes
+    them; nothing is submitted."""
+    from dask_jobqueue.slurm import SLURMJob
+
+    from grpo_kit.slurm import cluster_options, role_options
+
+    base = {k: v for k, v in cluster_options(1, walltime="00:10:00", job_directives_skip=["--exclusive"]).items()
+            if k != "scheduler_options"}  # the cluster's, not a job's
+    roles = {"rollout": {"job_script_prologue": ["module load cuda"], "job_extra_directives": ["--gres=gpu:1"]},
+             "trainer": {"cores": 16, "worker_extra_args": ["--lifetime", "10h"], "job_directives_skip": ["-o"]}}
+    scripts = {role: SLURMJob(scheduler="tcp://127.0.0.1:8786", name=role, **role_options(base, role, kw)).job_script()
+               for role, kw in roles.items()}
+    for role, script in scripts.items():
+        assert "--mem" not in script.replace("--memory-limit", "") and "--memory-limit 0 --resources" in script
+        assert f"--resources {role}=1" in script and "export DASK_DISTRIBUTED__WORKER__DAEMON=False" in script
+    assert "module load cuda" in scripts["rollout"] and "--gres=gpu:1" in scripts["rollout"]
+    trainer = scripts["trainer"]
+    assert "--cpus-per-task=16" in trainer and "--nthreads 16" in trainer and "--lifetime 10h" in trainer
+    assert trainer.rindex("export GRPO_KIT_THREADS=16") > trainer.rindex("export GRPO_KIT_THREADS=1\n")  # the later wins
+
+
 def test_workers_are_slurm_jobs_of_two_kinds(client):
     jobs = _jobs(client)
     assert sorted(jobs) == ["rollout-0", "trainer-0"] and all(jobs.values())
