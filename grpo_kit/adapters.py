@@ -264,9 +264,12 @@ class AdapterStore:
         except FileNotFoundError:
             return []
         out = set()
+        top = base.split("://")[-1].strip("/")  # find() gives paths without the protocol
         for p in found:
-            parts = p.rstrip("/").split("/")
-            if len(parts) >= 2 and parts[-1] == MANIFEST and (m := _VERSION_DIR.fullmatch(parts[-2])):
+            rel = p.split("://")[-1].strip("/").removeprefix(top).strip("/").split("/")
+            # only a manifest directly in adapters/, in a folder named as _version_path names it (a
+            # nested copy or "v12" would list a version that exists() and fetch() cannot find)
+            if len(rel) == 2 and rel[1] == MANIFEST and (m := _VERSION_DIR.fullmatch(rel[0])) and rel[0] == f"v{int(m.group(1)):06d}":
                 out.add(int(m.group(1)))
         return sorted(out)
 

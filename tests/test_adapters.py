@@ -506,3 +506,20 @@ def test_concurrent_download_keeps_the_copy_another_process_reads(adapter_dir, t
     assert second.fetch(1) == path
     assert os.stat(weights).st_ino == inode  # still the first store's file, never removed under it
     assert len(checks) > 1  # the second store did download (and found the first one's copy good)
+
+
+@pytest.mark.parametrize("root", ["local", "memory://kit-versions/run"])
+def test_only_manifests_where_the_store_puts_them_list_a_version(tmp_path, root):
+    """Review finding: a manifest at any depth (a stray copy in adapters/old/) or in a folder not named
+    v000012 (adapters/v12) was listed, so latest() named a version exists() and fetch() cannot find."""
+    store = AdapterStore(str(tmp_path / "s") if root == "local" else root)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "adapter_config.json").write_text("{}")
+    (src / "adapter_model.safetensors").write_bytes(b"x")
+    for v in (3, 10):
+        store.publish_dir(str(src), v)
+    for stray in ("old/v000012", "v12"):
+        store.fs.makedirs(f"{store.path}/adapters/{stray}", exist_ok=True)
+        store.fs.pipe(f"{store.path}/adapters/{stray}/manifest.json", b"{}")
+    assert store.versions() == [3, 10] and store.latest() == 10 and all(store.exists(v) for v in store.versions())
