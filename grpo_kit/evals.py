@@ -73,6 +73,11 @@ class Evaluations:
         """Whether an evaluation submitted for ``iteration`` is still pending."""
         return any(it == iteration for it, _ in self.pending)
 
+    def due(self) -> list[tuple[int, int]]:
+        """The (iteration, version) pairs whose evaluations are pending (every set's at once), for the
+        run state: a resumed run submits them again (the results would otherwise be lost)."""
+        return sorted({(it, version_of(f)) for it, f in self.pending})
+
     def versions(self) -> set[int]:
         """The adapter versions pending evaluations read (retention keeps them)."""
         return {version_of(f) for _, f in self.pending}

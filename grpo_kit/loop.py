@@ -426,10 +426,12 @@ class _Driver:
     def busy_versions(self) -> set[int]:
         """Adapter versions the run still needs besides the policy's: those of batches in flight,
         pending evaluations and carried groups (a lost chunk is recomputed from its version), and
-        those the run state names for a resumed run (its pending batches and carried groups)."""
+        those the run state names for a resumed run (its pending batches, evaluations and carried
+        groups)."""
         busy = {p.version for p in self.pending.values()} | self.evals.versions()
         busy |= {g.version for g in self.carry}
         busy |= {p["version"] for p in (self.state.get("pending") or {}).values()}
+        busy |= {v for _, v in self.state.get("evals_pending") or []}  # a resumed run evaluates them
         return busy | {e["version"] for e in self.state.get("carry") or []}
 
     def collect_evals(self, block: bool = False) -> list[dict]:
@@ -451,8 +453,13 @@ class _Driver:
         if self.state.get("carry"):  # resumed with dynamic sampling's carry-over
             self.restore_carry()
         self.submit_generation(start)
-        if start == 0 and self.state["base_acc"] is None and cfg.run.eval_every > 0:
-            self.evals.submit(-1, 0)
+        if cfg.run.eval_every > 0:  # those a stopped run left pending (saved with its commits), and the base's
+            done = {e["version"] for e in self.state["evals"] if "set" not in e}
+            for it, version in self.state.get("evals_pending") or []:
+                if version not in done and version not in self.evals.versions():
+                    self.evals.submit(it, version)
+            if self.state["base_acc"] is None and 0 not in self.evals.versions():
+                self.evals.submit(-1, 0)
         for it in range(start, cfg.run.iterations):
             batch = self.assemble(it)
             step = self.train(batch)
@@ -614,6 +621,8 @@ class _Driver:
         self.state["next_iteration"] = rec["iteration"] + 1
         self.state.update(checkpoint.resume_fields(self.groups_seen, self.carry_specs,
                                                    {j: (p.version, p.n) for j, p in self.pending.items()}))
+        # evaluations still to come (the due one included): a resumed run submits them again
+        self.state["evals_pending"] = sorted({*self.evals.due(), *([self.eval_due] if self.eval_due else [])})
         checkpoint.save_state(self.store, self.state)
         self.trackers.add_samples(self.samples)
         self.samples = []
@@ -662,7 +671,7 @@ class _Driver:
         self.withdraw_steps()  # none in a run that trained every iteration
         final_version = self.state["version"]
         if cfg.run.eval_every and not any(e["version"] == final_version for e in self.state["evals"]):
-            if not self.evals.submitted_for(cfg.run.iterations - 1):
+            if final_version not in self.evals.versions():  # (pending since the iteration that published it)
                 self.evals.submit(cfg.run.iterations - 1, final_version)
         final = self.collect_evals(block=True)
         if final and self.records:

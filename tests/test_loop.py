@@ -482,6 +482,27 @@ def test_resume_after_driver_death(tmp_path, client):
     assert _chain(store) == [1, 2, 3, 4, 5]
 
 
+def test_evaluations_a_stopped_run_left_pending_are_run_on_resume(tmp_path, client):
+    """Review finding: pending evaluations lived only in the driver's memory, so a run stopped while
+    one ran (here: right after iteration 1 committed and submitted v2's) never evaluated that version
+    on resume, nor the base model if its evaluation had not finished; the run state now lists them."""
+    cfg = _cfg(tmp_path, iterations=3, world_size=1, eval_every=2, eval_size=8)
+
+    def stop_at_1(rec):
+        if rec["iteration"] == 1:
+            raise _Stop  # v2's evaluation was submitted at this commit, and has not finished
+
+    with pytest.raises(_Stop):
+        loop.run(cfg, client=client, callbacks=[stop_at_1], progress=False)
+    state = AdapterStore(cfg.run.store_root).read_json("run")
+    assert [1, 2] in state["evals_pending"]
+    res = loop.run(cfg, client=client, resume=True, progress=False)
+    final = AdapterStore(cfg.run.store_root).read_json("run")
+    evaluated = {e["version"] for e in final["evals"] if "set" not in e}
+    assert {0, 2, 3} <= evaluated, evaluated  # the base model, the stopped run's v2, and the final v3
+    assert res.summary["acc_before"] is not None
+
+
 def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_path, client, monkeypatch):
     """With train_ahead (the default), the step of iteration 2 is submitted before iteration 1 is
     committed. A driver that stops after committing iteration 1, once that step has published v3,
