@@ -77,8 +77,9 @@ class RewardResult:
     """Reward: 1.0 if correct, else 0.0, plus ``format_bonus`` when the answer is in ``#### <n>`` form;
     None where the reward did not score the completion (it does not apply, or was not run), with why
     in ``reason``."""
-    parsed: float | None
-    """The number read from the completion, or None when none could be read."""
+    parsed: float | str | None
+    """The number read from the completion, or None when none could be read (the math task gives a
+    symbolic answer as math-verify's text): what maj@k votes on."""
     reason: str
     """Why this score, in a few words ("correct", "wrong answer 12 != 13", ...); never empty."""
     rule: str | None = None

@@ -220,3 +220,16 @@ def test_task_reads_gsm8k_by_default_and_any_file_with_an_answer_column(tmp_path
     assert [s.reward for s in scores] == [1.0, 0.0], [s.reason for s in scores]
     with pytest.raises(KeyError, match="no column 'answer'"):
         resolve("math", source=str(path), question="problem").load("train", 5)
+
+
+def test_symbolic_answers_vote_in_maj_at_k():
+    """Review finding: an answer with no float value (x + 1, an interval) was parsed as None, so maj@k
+    counted the problem wrong (abstentions) where pass@k counted it right."""
+    from grpo_kit import passk
+
+    out = math_reward(["q"] * 4, ["#### x+1", "so \\boxed{x+1}", "#### x+1", "#### x+2"], ["x+1"] * 4)
+    assert [r.score for r in out] == [1.0, 1.0, 1.0, 0.0]
+    assert all(isinstance(r.parsed, str) for r in out) and out[0].parsed == out[1].parsed
+    metrics = passk.sampled_metrics([[r.correct for r in out]], [[r.parsed for r in out]])
+    assert metrics["maj_acc"] == 1.0 and metrics["avg_acc"] == 0.75
+    assert math_reward(["q"], ["#### 0.5"], ["1/2"])[0].parsed == 0.5  # a number stays a float

@@ -209,6 +209,8 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
                 continue
         ans = v.check(pred, _gold_text(g), timeout_s)
         parsed = _as_float(ans.get("value"))
+        if parsed is None and ans.get("pred") is not None:  # a symbolic answer ("x + 1", an interval): its
+            parsed = ans["pred"]  # text as math-verify writes it votes in maj@k (None would abstain)
         if "error" in ans:
             out.append(RewardResult(0.0, None, f"math-verify: {ans['error']}"))
         elif ans["pred"] is None:
