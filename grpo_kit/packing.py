@@ -160,6 +160,37 @@ def packed_logprobs(
     return F.pad(logp, (1, 0))  # (B, T)
 
 
+_LEAK: dict[type, float] = {}
+"""Model class -> how far the probe's second packed sequence moved with the first (:func:`check_packing`)."""
+PACKING_TOLERANCE = 1e-4
+
+
+def check_packing(model: nn.Module) -> None:
+    """Refuse plain packing on a model whose forward does not find packed sequences from their
+    position resets (Falcon's attention reaches across them): once per model class, a sequence
+    packed after two different first sequences must score the same (a difference of
+    :data:`PACKING_TOLERANCE` or more is a leak; a padding-versus-packing rounding difference, which
+    bfloat16 makes large, does not enter this comparison)."""
+    base = _base_module(model)
+    cls = type(base)
+    if cls not in _LEAK:
+        vocab = int(getattr(getattr(base, "config", None), "vocab_size", 0) or 0)
+        gen = torch.Generator().manual_seed(0)
+        device = next(base.parameters()).device
+        ids = torch.randint(3, max(4, min(vocab, 1000)), (3, 8), generator=gen).to(device)  # (3, 8)
+        mask = torch.ones_like(ids[:2])
+        scored = torch.zeros_like(ids[:2])
+        scored[:, 2:] = 1
+        with torch.no_grad():
+            a = packed_logprobs(base, ids[[0, 2]], mask, scored)[1]  # the third sequence after the first
+            b = packed_logprobs(base, ids[[1, 2]], mask, scored)[1]  # ... and after the second
+        _LEAK[cls] = float((a - b).abs().max())
+    if _LEAK[cls] >= PACKING_TOLERANCE:
+        raise ValueError(f"packing=True is not exact for {cls.__name__}: a packed sequence's log-probs moved by "
+                         f"{_LEAK[cls]:.2g} with the sequence before it (its attention does not see packed "
+                         "sequences' boundaries); set packing=False")
+
+
 def micro_batch_bounds(batch: TrainBatch, optim_cfg: OptimConfig) -> list[tuple[int, int]]:
     """``[start, stop)`` of each micro-batch of ``batch``: ``micro_batch`` rows at a time, or with
     ``packing`` consecutive rows while their packed tokens (:func:`packed_costs`; a shared prompt

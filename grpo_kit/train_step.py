@@ -59,7 +59,7 @@ from grpo_kit import algorithms
 from grpo_kit.config import LossConfig, OptimConfig
 from grpo_kit.logprobs import attention_window, shared_prompt_logprobs, token_logprobs
 from grpo_kit.loss import LossStats, Normalizer, mismatch_sums
-from grpo_kit.packing import balanced_shard_sizes, micro_batch_bounds, packed_costs, packed_logprobs
+from grpo_kit.packing import balanced_shard_sizes, check_packing, micro_batch_bounds, packed_costs, packed_logprobs
 
 
 class Sample(NamedTuple):
@@ -268,6 +268,8 @@ def grpo_step(
                       f"window ({window} tokens): a shared prompt's cache positions would misplace the window "
                       "(set share_prompt=False to silence this)", RuntimeWarning, stacklevel=2)
     if optim_cfg.packing:
+        if not share:
+            check_packing(module)  # once per model class: its attention must see the packed boundaries
         logprobs_fn = functools.partial(packed_logprobs, share_prompt=share)
     else:
         logprobs_fn = shared_prompt_logprobs if share else token_logprobs

@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_train_step import (  # noqa: F401  (float64_norms: an autouse fixture)
     FLOAT32_LOGPROB_TOL,
+    VOCAB,
     RowCounter,
     float64_norms,
     make_batch,
@@ -130,3 +131,25 @@ def test_micro_batches_by_token_budget_and_balanced_shards():
     lay = pack_layout(b.input_ids, b.attention_mask, b.completion_mask, share_prompt=True)
     with pytest.raises(ValueError, match="sdpa or eager"):  # flash attention takes no 4-D mask
         pack_attention_mask(lay, "flash_attention_2", torch.float32)
+
+
+def test_packing_is_refused_for_a_model_whose_attention_crosses_packed_sequences():
+    """Review finding: Falcon (and Bloom) do not find packed sequences from position resets, so a
+    packed sequence attended to the one before it (log-probs off by 0.12). The probe runs once per
+    model class; the kit's own architectures pass it exactly."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from grpo_kit.config import LossConfig
+    from grpo_kit.packing import check_packing
+    from grpo_kit.train_step import grpo_step
+
+    torch.manual_seed(0)
+    falcon = FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            new_decoder_architecture=False, alibi=False)).to(torch.float64)
+    batch = make_batch(4, seed=1)
+    with pytest.raises(ValueError, match="packing=True is not exact for FalconForCausalLM"):
+        grpo_step(falcon, torch.optim.SGD(falcon.parameters(), lr=1e-3), batch, LossConfig(kl_beta=0.0),
+                  OptimConfig(packing=True, share_prompt=False))
+    grpo_step(falcon, torch.optim.SGD(falcon.parameters(), lr=1e-3), batch, LossConfig(kl_beta=0.0),
+              OptimConfig(packing=False, share_prompt=False))  # padded: fine
+    check_packing(tiny_model())  # Qwen3: no leak
