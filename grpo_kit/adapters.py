@@ -151,6 +151,7 @@ class AdapterStore:
         self._version_locks: dict[int, threading.Lock] = {}
         self._fetched: dict[int, str] = {}
         self._held: dict[int, int] = {}  # version -> fd of its lock file, shared flock held
+        self._held_at: dict[int, str] = {}  # version -> the cached copy that fd holds
         self._finalizer = weakref.finalize(self, close_all, self._held)
         self._manifests: dict[int, dict] = {}
 
@@ -331,8 +332,9 @@ class AdapterStore:
             self._manifests.pop(version, None)
             self._fetched.pop(version, None)
             fd = self._held.pop(version, None)
-        if fd is not None:
-            remove_unless_held(os.path.join(self._cache_root(), f"v{version:06d}"), fd)
+            path = self._held_at.pop(version, None)
+        if fd is not None and path is not None:
+            remove_unless_held(path, fd)
 
     def attempt(self, version: int) -> str | None:
         """The publish attempt of ``version`` as the store holds it now (read fresh; None for version 0,
@@ -400,9 +402,17 @@ class AdapterStore:
                 if hit is not None and os.path.isdir(hit):
                     self._fetched[version] = hit  # most recently used last
                     return hit
-                fd = self._held.pop(version, None)
+                fd, held_at = self._held.pop(version, None), self._held_at.pop(version, None)
             man = self.manifest(version)
-            dest = os.path.join(self._cache_root(), f"v{version:06d}")
+            # one folder per publish attempt: a version published anew never replaces a copy another
+            # holder sharing cache_dir may still be reading
+            dest = os.path.join(self._cache_root(), f"v{version:06d}" + (f"-{man['attempt']}" if man.get("attempt") else ""))
+            if fd is not None and held_at != dest:  # a hold on an earlier attempt's copy: let it go
+                if held_at is not None:
+                    remove_unless_held(held_at, fd)
+                else:
+                    os.close(fd)
+                fd = None
             try:
                 if fd is None:  # waits while another process removes its copy, then downloads anew
                     fd = hold_shared(lock_path(dest))
@@ -414,7 +424,7 @@ class AdapterStore:
                 raise
             with self._lock:
                 self._fetched[version] = dest
-                self._held[version] = fd
+                self._held[version], self._held_at[version] = fd, dest
         self._evict()
         return dest
 
@@ -432,6 +442,8 @@ class AdapterStore:
             with lock:
                 with self._lock:
                     fd = None if v in self._fetched else self._held.pop(v, None)  # not fetched again meanwhile
+                    if fd is not None:
+                        path = self._held_at.pop(v, path)
                 if fd is not None:
                     remove_unless_held(path, fd)
             with self._lock:
