@@ -156,11 +156,12 @@ def _number(v: Any) -> float | None:
 
 def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """Every number of a record (a dict of numbers flattened as ``key/name``), with the evaluations
-    that finished during it (:func:`eval_scalars`).
+    that finished during it (:func:`eval_scalars`); a NaN or infinite value (a diverged loss or
+    gradient norm) as ``nonfinite/<key>`` = 1, so that a curve that stops says why.
 
-    >>> record_scalars({"iteration": 3, "loss": 0.5, "loss_x": None, "recovered": False,
+    >>> record_scalars({"iteration": 3, "loss": 0.5, "loss_x": None, "recovered": False, "grad_norm": float("inf"),
     ...                 "reward_components": {"fmt": 1.0}, "spans": [{"name": "train"}]})
-    {'loss': 0.5, 'recovered': 0.0, 'reward_components/fmt': 1.0}
+    {'loss': 0.5, 'recovered': 0.0, 'nonfinite/grad_norm': 1.0, 'reward_components/fmt': 1.0}
     """
     out: dict[str, float] = {}
     for k, v in record.items():
@@ -170,6 +171,8 @@ def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
             out.update({f"{k}/{kk}": x for kk, vv in v.items() if (x := _number(vv)) is not None})
         elif (x := _number(v)) is not None:
             out[k] = x
+        elif isinstance(v, float):  # NaN or inf: not every tracker plots them
+            out[f"nonfinite/{k}"] = 1.0
     return {**out, **eval_scalars(record.get("evals") or [])}
 
 
