@@ -3,10 +3,13 @@
     python bench/engines.py [--problems 32] [--group-size 6] [--max-new-tokens 48] [--repeats 7]
 
 One VLLMEngine on the tiny model (``--lora-mode``, default the kit's ``auto``: merged on CPU), with a
-perturbed LoRA published as version 1. "raw" calls the engine's own ``vllm.LLM`` directly (text
-prompts, one ``SamplingParams`` per prompt with the same seeds, no kit code), so raw and kit run on
-one engine with identical settings and sample identical tokens; the difference is the kit's overhead
-(tokenizing, building Rollout records, decoding). The version is put in place before each raw/kit
+perturbed LoRA published as version 1. "raw" calls the engine's own ``vllm.LLM`` directly with the
+token ids the kit sends (tokenized once, before any clock) and one ``SamplingParams`` per prompt
+with the kit's settings (the same seeds, flat log-probs, no detokenizing, the model's stop ids), so
+raw and kit run on one engine doing the same sampling work and sample identical tokens; the
+difference is the kit's overhead (tokenizing, building Rollout records, decoding text). (Before
+2026-12-03 raw sent text prompts with vLLM's default settings, which detokenize and build a log-prob
+dict per token: a slower baseline, so the ratios measured then were too high.) The version is put in place before each raw/kit
 pair (request mode: the LoRARequest; merged mode: the merged weights, whose switch time is reported
 on its own), so neither side of a pair pays for it.
 Each repeat runs raw and kit back to back, alternating which goes first, with and without the
@@ -19,6 +22,7 @@ without the noise of other load on the machine). The last line is JSON.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
@@ -27,6 +31,7 @@ import time
 from grpo_kit import data, tiny
 from grpo_kit.adapters import AdapterStore
 from grpo_kit.hf_engine import HFEngine
+from grpo_kit.prompts import encode_prompts
 from grpo_kit.rollout import group_seed
 from grpo_kit.testing import perturbed_adapter
 
@@ -41,6 +46,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from grpo_kit.vllm_engine import VLLMEngine
 
@@ -48,10 +54,14 @@ def main() -> None:
     store = AdapterStore(tempfile.mkdtemp(prefix="bench-engines-"))
     store.publish(perturbed_adapter(path, seed=1), 1)
     problems = data.synthetic_problems(args.problems, split="train", seed=0)
-    texts = [p.prompt for p in problems]
     n, max_new = args.group_size, args.max_new_tokens
 
     engine = VLLMEngine(path, store=store, max_lora_rank=8, lora_mode=args.lora_mode)
+    if engine.stop:
+        raise SystemExit("this bench compares runs without stop strings (the kit would detokenize for them)")
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in
+               encode_prompts(engine.tokenizer, problems, max_new, engine.max_model_len, engine.prompt_format)]
+    flat = {"flat_logprobs": True} if "flat_logprobs" in inspect.signature(SamplingParams).parameters else {}
     hf = HFEngine(path, store=store)
     switch_s: list[float] = []
 
@@ -65,11 +75,12 @@ def main() -> None:
     def raw(version: int, seed: int) -> int:
         params = [
             SamplingParams(
-                n=n, temperature=1.0, top_p=1.0, top_k=0, logprobs=0, seed=group_seed(seed, i), max_tokens=max_new
+                n=n, temperature=1.0, top_p=1.0, top_k=0, logprobs=0, seed=group_seed(seed, i), max_tokens=max_new,
+                stop_token_ids=list(engine.stop_ids), detokenize=False, **flat,
             )
-            for i in range(len(texts))
+            for i in range(len(prompts))
         ]
-        outs = engine.llm.generate(texts, params, lora_request=current["lora"], use_tqdm=False)
+        outs = engine.llm.generate(prompts, params, lora_request=current["lora"], use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
     def kit(eng, version: int, seed: int) -> int:

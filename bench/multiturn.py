@@ -21,7 +21,9 @@ Parts (``--parts``, comma-separated; each returns a dict of figures and :func:`m
   (``bench/multiturn_throughput.py``): ``multiturn_vs_single_tokens_per_s``, ``multiturn_engine_busy_share``.
 
 Ends with ONE JSON line: the merged figures (``tiny_acc_before``, ``tiny_acc_after``,
-``tiny_tool_rate_before``, ``tiny_tool_rate_after``, ``tiny_grpo_wall_s``, ...), all measured.
+``tiny_tool_rate_before``, ``tiny_tool_rate_after``, ``tiny_grpo_wall_s``, ...), all measured in
+this run except ``tiny_pretrain_recorded_s``: the tiny-tools model's pretraining time as its build
+record holds it (the shipped build's, timed where it was built).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def tiny_part(args) -> dict:
         "tiny_final_version": final["version"], "tiny_eval_size": base["n"],
         "tiny_sampled_tool_rate_before": sampled["tool_rate"], "tiny_sampled_acc_before": sampled["acc"],
         "tiny_acc_when_called_before": sampled["acc_when_called"], "tiny_greedy_acc_before_here": greedy["acc"],
-        "tiny_pretrain_s": info["pretrain_s"], "tiny_engine": cfg.sampling.engine, "tiny_lr": cfg.optim.lr,
+        "tiny_pretrain_recorded_s": info["pretrain_s"], "tiny_engine": cfg.sampling.engine, "tiny_lr": cfg.optim.lr,
         "tiny_group_size": cfg.sampling.group_size, "tiny_prompts_per_step": cfg.sampling.prompts_per_step,
         "tiny_curve": curve,
     }

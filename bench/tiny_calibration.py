@@ -1,10 +1,14 @@
 """Calibrate the tiny profile: pretraining time, greedy held-out accuracy, and sampled signal.
 
-    python bench/tiny_calibration.py [--steps N] [--slip-rate P] [--temperature T]
+    python bench/tiny_calibration.py [--build] [--steps N] [--slip-rate P] [--temperature T]
 
 Prints the figures the tiny profile must meet (pretraining <= 5 min; greedy accuracy 15-55%;
 sampled mean reward >= 0.2; >= 40% of groups of 6 with reward spread; truncation count), and as
-its last line a JSON object with them.
+its last line a JSON object with them. ``pretrain_s`` is the pretraining time the model's build
+record holds: without ``--build`` that of the copy ``ensure_tiny_model`` gives (for the default spec
+the build shipped in ``grpo_kit/prebuilt/``, timed where it was built, not here: ``pretrain_from``
+says ``"build record"``); with ``--build`` the model is pretrained here, into a temporary cache,
+and the figure is this machine's (``pretrain_from``: ``"built here"``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import tempfile
 import time
 
 import torch
@@ -50,11 +56,16 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--groups", type=int, default=64)
+    ap.add_argument("--build", action="store_true", help="pretrain the model here (timed), not the cached or shipped copy")
     args = ap.parse_args()
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(tiny.TinySpec) if getattr(args, f.name) is not None}
     spec = tiny.TinySpec(**overrides)
     t0 = time.time()
-    path = tiny.ensure_tiny_model(spec)
+    if args.build:  # pretrain here (never the shipped copy), into a cache of its own
+        os.environ["GRPO_KIT_TINY_BUILD"] = "1"
+        path = tiny.ensure_tiny_model(spec, cache_dir=tempfile.mkdtemp(prefix="tiny-build-"))
+    else:
+        path = tiny.ensure_tiny_model(spec)
     info = tiny.tiny_info(path)
     print(f"model at {path}; pretraining {info['pretrain_s']:.0f}s, {info['tokens_per_s']:.0f} tok/s (call {time.time() - t0:.0f}s)")
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
@@ -69,6 +80,7 @@ def main() -> None:
     spread = sum(max(g) > min(g) for g in groups) / len(groups)
     res = {
         "pretrain_s": round(info["pretrain_s"], 1),
+        "pretrain_from": "built here" if args.build else "build record",
         "params": sum(p.numel() for p in model.parameters()),
         "greedy_acc": greedy_acc,
         "sampled_reward_mean": sum(rewards) / len(rewards),
