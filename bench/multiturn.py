@@ -1,6 +1,6 @@
 """Multi-turn episodes, measured: does GRPO teach a model to use a tool?
 
-    python bench/multiturn.py [--parts tiny] [--budget-s S] [--run-dir DIR] [name=value ...]
+    python bench/multiturn.py [--parts tiny,smol,throughput] [--budget-s S] [--run-dir DIR] [name=value ...]
 
 Parts (``--parts``, comma-separated; each returns a dict of figures and :func:`main` merges them):
 

@@ -12,7 +12,9 @@ tools), so each episode plays up to ``--turns`` turns of at most ``--turn-tokens
 its tool calls running in the runner's thread pool while other episodes' turns are sampled.
 Single-turn side: the same episodes' prompts, one turn each with the same per-turn limit, sampled by
 the same engine's ``sample_ids`` in calls of the same batch size (a fresh seed per row and call)
-until they hold at least as many model tokens as the multi-turn side did; no tools, no waiting.
+until they hold at least as many model tokens as the multi-turn side did (on a repeat where the
+single side runs first, the previous repeat's multi-turn count: ``single_target_tokens``); no tools,
+no waiting.
 Both sides run back to back in each repeat, alternating which goes first, and the figure is the
 median over repeats of the paired ratio of model tokens per wall second (``multiturn_vs_single_tokens_per_s``,
 target >= 0.8); ``multiturn_vs_single_tokens_per_cpu_s`` is the same by this process's CPU time (the
@@ -176,10 +178,11 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
         for side in ("multi", "single") if rep % 2 == 0 else ("single", "multi"):
             if side == "multi":
                 mt = multi_turn(engine, problems, group_size, version, cfg, tool_latency_s, iteration=rep)
-            else:  # the episodes' prompts and token count (the previous repeat's when single goes first)
-                ref = mt or reps[-1]
+            else:  # the episodes' prompts and token count (the previous repeat's when single goes first:
+                ref = mt or reps[-1]  # the ratio is of tokens per second, so the sizes need not match exactly)
                 st = single_turn(engine, ref["prompts"], version, cfg.max_turn_tokens, ref["multiturn_tokens"],
                                  iteration=rep)
+                st["single_target_tokens"] = ref["multiturn_tokens"]
         reps.append({**mt, **st,
                      "multiturn_vs_single_tokens_per_s": mt["multiturn_tokens_per_s"] / st["single_tokens_per_s"],
                      "multiturn_vs_single_tokens_per_cpu_s": mt["multiturn_tokens_per_cpu_s"] / st["single_tokens_per_cpu_s"]})
@@ -195,7 +198,7 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
 
 def make_engine(name: str, path: str, store, max_model_len: int = 512, block_size: int | None = None):
     """``"vllm"`` (a VLLMEngine, the kit's default ``lora_mode``; ``block_size``: vLLM's KV-cache block
-    in tokens, None for vLLM's default) or ``"hf"`` on ``path``."""
+    in tokens, None for the engine's, KV_BLOCK_TOKENS) or ``"hf"`` on ``path``."""
     if name == "hf":
         return HFEngine(path, store=store, max_model_len=max_model_len)
     from grpo_kit.vllm_engine import VLLMEngine

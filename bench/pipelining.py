@@ -1,6 +1,6 @@
 """Pipelined against sequential GRPO on the tiny profile, side by side in one run.
 
-    python bench/pipelining.py [--iterations 10] [--warmup 2] [--prompts-per-step 16] [--group-size 6]
+    python bench/pipelining.py [--iterations 12] [--warmup 2] [--prompts-per-step 16] [--group-size 6]
 
 One LocalCluster with one rollout worker and one trainer worker, each pinned to its own core
 (on 2 cores: one each, one thread each, in both modes), as a GPU cluster gives them disjoint GPUs,
@@ -166,7 +166,8 @@ def main() -> None:
                     runs[ahead].append(measure(client, "pipelined", args, root, train_ahead=ahead, tag=f"-{ahead}-{rep}"))
             pipe, turn = (_median_run(runs[a]) for a in (True, False))  # the default: ahead
             elapsed, load1 = time.time() - t0, os.getloadavg()
-        payload = counter.token_bytes() / (2 * (args.warmup + args.iterations))
+        # the sequential run and 2 x repeats pipelined runs, each of warmup + iterations
+        payload = counter.token_bytes() / ((1 + 2 * args.repeats) * (args.warmup + args.iterations))
     finally:
         cluster.shutdown(client)
 

@@ -143,7 +143,8 @@ def main(argv=None) -> dict:
     disagree = [(c[-50:], g, m.reason) for c, g, m, h in zip(comps, golds, mv, hashes, strict=True) if m.correct != h.correct]
     res |= {"gsm8k_rows": len(rows),
             "mathverify_gsm8k_agree": len(rows) - len(disagree),
-            "mathverify_gsm8k_agree_perturbed": sum(m.correct == h.correct for m, h in zip(mv_wrong, hash_wrong, strict=True)),
+            # both must say wrong (agreement on "right" would be both fooled by the off-by-one answer)
+            "mathverify_gsm8k_agree_perturbed": sum(not m.correct and not h.correct for m, h in zip(mv_wrong, hash_wrong, strict=True)),
             "hash_gsm8k_correct": sum(h.correct for h in hashes), "mathverify_restarts": verifier().starts - starts}
     print(f"math-verify agrees with '####' on {res['mathverify_gsm8k_agree']}/{len(rows)} gold solutions, "
           f"{res['mathverify_gsm8k_agree_perturbed']}/{len(rows)} perturbed; disagreements: {disagree[:3]}")

@@ -273,7 +273,9 @@ def test_multiturn_throughput_measures_both_sides_on_one_engine():
     r = mt.measure(engine, data.synthetic_problems(1, split="train", seed=0), group_size=3, tool_latency_s=0.2,
                    repeats=2, warmup=False, episode_cfg=cfg)
     assert r["multiturn_episodes"] == 3 and r["multiturn_tool_calls"] >= 2  # turns ended by EOS called the tool
-    assert r["multiturn_calls"] >= 2 and r["single_tokens"] >= r["multiturn_tokens"] > 0
+    # the single side samples at least the tokens it was sized by (on a repeat where it runs first, the
+    # previous repeat's multi-turn count: review finding, comparing with this repeat's could fail)
+    assert r["multiturn_calls"] >= 2 and r["single_tokens"] >= r["single_target_tokens"] > 0 and r["multiturn_tokens"] > 0
     # the tool calls run one at a time on the runner's single thread, 0.2 s each, inside the wall time
     assert r["multiturn_wall_s"] >= 0.2 * r["multiturn_tool_calls"]
     assert 0 < r["multiturn_engine_busy_share"] < 1
