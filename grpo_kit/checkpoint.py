@@ -140,7 +140,10 @@ def recovered_records(store: AdapterStore, records: list[dict], state: dict) -> 
     have = {r["iteration"] for r in records}
     last = max((r["version"] for r in records), default=0)
     out = []
+    present = set(store.versions())  # retention may have pruned some: their records cannot be rebuilt
     for v in range(last + 1, state["version"] + 1):
+        if v not in present:
+            continue
         meta = store.manifest(v).get("meta", {})
         it = meta.get("iteration")
         if it is None or it in have or it >= state["next_iteration"]:

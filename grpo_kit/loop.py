@@ -62,9 +62,10 @@ def _seed(*parts) -> int:
 def iteration_problems(cfg: Config, pool: list, iteration: int, round_: int = 0, n: int | None = None) -> list:
     """The prompts of ``iteration``'s batch, drawn from the training ``pool`` with a seed of (run seed,
     iteration): a resumed run and a benchmark comparing against another trainer see the same ones.
-    Dynamic sampling's extra rounds (``round_`` >= 1) draw ``n`` others from their own seed."""
+    Dynamic sampling's extra rounds (``round_`` >= 1) draw ``n`` from their own seed (they may repeat
+    an earlier round's prompt). An over-sampled ``n`` larger than the pool takes the whole pool."""
     parts = (cfg.run.seed, "prompts", iteration) + ((round_,) if round_ else ())
-    return random.Random(_seed(*parts)).sample(pool, n or cfg.sampling.prompts_per_step)
+    return random.Random(_seed(*parts)).sample(pool, min(len(pool), n or cfg.sampling.prompts_per_step))
 
 
 @dataclass

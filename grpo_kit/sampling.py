@@ -92,8 +92,9 @@ class Selection:
 
 def select_groups(carried: Sequence[Group], fresh: Sequence[Group], want: int, version: int,
                   max_staleness: int) -> Selection:
-    """Choose ``want`` usable groups for a step at trainer ``version``: the carried ones first (oldest
-    first: they expire first), then ``fresh`` in order. Zero-spread groups are dropped; a surplus
+    """Choose ``want`` usable groups for a step at trainer ``version``: the oldest first (they expire
+    first; a carried group can be newer than a fresh one of a pipelined batch, sampled ``depth``
+    versions back), carried before fresh among equals, each in its order. Zero-spread groups are dropped; a surplus
     usable group is carried to the next step (trained at ``version + 1``) if it will still be within
     ``max_staleness`` there, else counted as expired.
 
@@ -104,8 +105,11 @@ def select_groups(carried: Sequence[Group], fresh: Sequence[Group], want: int, v
     >>> s = select_groups([], [g(True, 0), g(True, 0)], want=1, version=1, max_staleness=1)
     >>> len(s.train), len(s.carry), s.expired
     (1, 0, 1)
+    >>> s = select_groups([g(True, 3), g(True, 3)], [g(True, 2), g(True, 2)], want=2, version=3, max_staleness=1)
+    >>> [x.version for x in s.train], [x.version for x in s.carry], s.expired  # the older fresh ones train
+    ([2, 2], [3, 3], 0)
     """
-    pool = sorted(carried, key=lambda g: g.version) + list(fresh)
+    pool = sorted([*carried, *fresh], key=lambda g: g.version)  # stable: carried first among equals
     dropped = sum(not g.has_spread for g in pool)
     usable = [g for g in pool if g.has_spread]
     too_old = [g for g in usable if version - g.version > max_staleness]
@@ -121,12 +125,15 @@ def extra_prompts(need: int, usable_share: float | None, cap: int) -> int:
 
     >>> extra_prompts(4, 0.5, 16), extra_prompts(4, 0.0, 16), extra_prompts(4, None, 16), extra_prompts(0, 0.5, 16)
     (8, 16, 4, 0)
+    >>> extra_prompts(21, 7 / 10, 64)  # not 31: 21 / 0.7 is 30.000000000000004 in floats
+    30
     """
     if need <= 0:
         return 0
     if usable_share is None:
         return min(cap, need)
-    return max(min(need, cap), min(cap, math.ceil(need / max(usable_share, 1e-9))))
+    exact = need / max(usable_share, 1e-9)
+    return max(min(need, cap), min(cap, math.ceil(exact - 1e-9 * exact)))  # a float residue is not a prompt
 
 
 def usable_cost(device_s: float, usable: int, price_per_hour: float = 0.0) -> tuple[float | None, float | None]:

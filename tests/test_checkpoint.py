@@ -108,3 +108,15 @@ def test_resume_against_a_store_without_the_run_refuses_and_deletes_nothing(tmp_
     files.metrics.write_text(json.dumps({"iteration": 0, "version": 1}) + "\n")
     state, records = checkpoint.restore(AdapterStore(str(tmp_path / "store")), "rid", files, resume=True)
     assert (state["next_iteration"], records) == (0, [])
+
+
+def test_records_of_versions_retention_pruned_are_not_rebuilt(tmp_path):
+    """Review finding: resuming with a short metrics.jsonl (a new run_dir, or one cut at a bad line)
+    rebuilt records from every version's manifest and crashed on the first one retention had pruned."""
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in range(1, 8):
+        _publish(store, tmp_path, v, iteration=v - 1, stats={"loss": float(v)})
+    for v in range(1, 5):  # retention kept the last three
+        store.delete(v)
+    out = checkpoint.recovered_records(store, [], {"version": 7, "next_iteration": 7})
+    assert [(r["iteration"], r["version"], r["loss"]) for r in out] == [(4, 5, 5.0), (5, 6, 6.0), (6, 7, 7.0)]

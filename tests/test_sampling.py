@@ -189,3 +189,12 @@ def test_pipelined_surplus_is_carried_and_its_version_kept(tmp_path, client):
             assert oldest in in_store[prev["iteration"]], (r["iteration"], oldest, in_store[prev["iteration"]])
             checked += 1
     assert checked, "no carried group of an adapter version >= 1 was trained"
+
+
+def test_an_over_sampled_round_larger_than_the_pool_takes_the_whole_pool():
+    """Review finding: at a usable share of 0 the over-sampled draw (up to prompts_per_step *
+    max_gen_batches) could exceed a small dataset, and random.sample raised mid-run."""
+    cfg = config.profile("tiny", prompts_per_step=8, max_gen_batches=3, dynamic_sampling=True)
+    pool = list(range(20))
+    assert sorted(loop.iteration_problems(cfg, pool, 3, 1, n=24)) == pool
+    assert len(loop.iteration_problems(cfg, pool, 3, 1, n=5)) == 5
