@@ -13,9 +13,12 @@ zero-spread groups before training and fills the batch with usable groups from m
 ``max_staleness``. The pipelined batch itself is over-sampled by the usable share seen so far
 (:func:`extra_prompts` again) for the usable groups it needs beyond those carried into it, so that
 its generation, which overlaps the previous step's training, does most of the work and the extra
-rounds, which do not, are rare. A carried group is trained at the next step, one version later
-(:func:`select_groups`); a pipelined batch that arrives ``max_staleness`` behind (pacing's full
-depth) therefore cannot pass its surplus on.
+rounds, which do not, are rare. A surplus group is carried only if it will still be within
+``max_staleness`` at the next step, one version later, where the oldest groups train first
+(:func:`select_groups`: a carried group can be newer than the pipelined batch's, sampled ``depth``
+versions back); one that finds no room there is carried again while it stays within bounds, else
+counted as expired. A pipelined batch that arrives ``max_staleness`` behind (pacing's full depth)
+therefore cannot pass its surplus on.
 
 What dropping changes in the objective. Per batch of ``N`` sequences with normalizer ``Z``
 (``loss_type`` grpo: ``N``; dr_grpo: ``N * max_len``; dapo: the batch's completion tokens), the loss
