@@ -160,6 +160,8 @@ class LivePlots:
     def __init__(self, records: Iterable[Record] = (), *, live: bool | None = None, names: Sequence[str] | None = None,
                  max_points: int = LIVE_MAX_POINTS, keep_last: int = LIVE_KEEP_LAST, episodes: bool = False):
         thin_indices(0, max_points, keep_last)  # validates the pair
+        if max_points < 3:  # thin_records gives evaluations max(2, max_points // 4) and needs one more
+            raise ValueError(f"max_points must be >= 3 (evaluations keep two points of their own), got {max_points}")
         self.max_points, self.keep_last = max_points, keep_last
         self.records: list[dict[str, Any]] = [dict(r) for r in records]
         self.explicit = names is not None

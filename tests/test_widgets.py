@@ -206,3 +206,13 @@ def test_live_plots_thin_a_long_history():
     reward_x = trace(live.figures["reward"], "reward mean").x
     assert len(reward_x) <= 300 and reward_x[-1] == 2_999 and reward_x[0] == 0
     assert len(trace(live.figures["timeline"], "generate").x) == figures.TIMELINE_ITERATIONS
+
+
+def test_a_max_points_too_small_for_evaluations_is_refused_at_once():
+    """Review finding: max_points=2 passed the constructor and raised inside the run's callback at the
+    first thinning with an evaluation (which killed the run)."""
+    with pytest.raises(ValueError, match="max_points must be >= 3"):
+        widgets.LivePlots(live=True, max_points=2, keep_last=1)
+    live = widgets.LivePlots(live=True, max_points=3, keep_last=1)
+    for i in range(8):
+        live({"iteration": i, "reward_mean": 0.1 * i, "eval_acc": 0.5 if i % 3 == 0 else None, "spans": []})
