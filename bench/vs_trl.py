@@ -304,7 +304,10 @@ def differences(cfg: config.Config, threads: int, live_eval: bool = False, trl_v
         ),
         "clock start: kit at the first iteration's start (the loop builds its engines and trainer policies and "
         "samples once from the base model before it; the cluster start is before it too); TRL at on_train_begin "
-        "(model load, LoRA wrap and trainer construction happen before it); both start-ups are reported",
+        "(model load, LoRA wrap and trainer construction happen before it); both start-ups are reported. Not "
+        "symmetric: the kit's one warm-up sample takes its engine's first-call set-up off its clock, while TRL's "
+        "first generate and backward pay theirs on its clock (each TRL repeat reuses one process, so only its "
+        "first repeat pays the process's); on runs of a few seconds this favours the kit",
         f"processes and threads: kit uses {cfg.cluster.n_rollout_workers} rollout + {cfg.cluster.world_size} trainer "
         f"Dask worker(s) with {cfg.cluster.threads_per_worker} torch thread(s) each (the {cfg.profile} profile's); TRL runs in one "
         f"process with {threads} torch thread(s)"
