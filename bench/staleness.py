@@ -46,7 +46,13 @@ def one_run(client, k: int, correction: str, args, root: str) -> dict:
         run_dir=os.path.join(root, f"k{k}-{correction}"), seed=args.seed, **CORRECTIONS[correction],
     )
     res = loop.run(cfg, client=client, progress=False)
-    curve = [(r["iteration"], r["grpo_wall_s"], r["eval_acc"]) for r in res.records if r.get("eval_acc") is not None]
+    # each evaluation at the record that produced the version it evaluated (not the later one it finished
+    # in: how much later depends on K), so time and iterations to target are the version's
+    producer: dict = {}
+    for r in res.records:
+        producer.setdefault(r["version"], r)
+    curve = sorted((p["iteration"], p["grpo_wall_s"], r["eval_acc"]) for r in res.records if r.get("eval_acc") is not None
+                   for p in [producer.get(r.get("eval_version"), r)])
     hit = next(((it, wall) for it, wall, acc in curve if acc >= args.target), None)
     recs = res.records
     return {
@@ -62,7 +68,8 @@ def one_run(client, k: int, correction: str, args, root: str) -> dict:
         "ratio_max": max((r["ratio_max"] for r in recs if r["ratio_max"] is not None), default=None),  # None: nothing trained
         "clip_frac": _mean([r["clip_frac"] for r in recs]),
         "is_capped_frac": _mean([r["is_capped_frac"] for r in recs]),
-        "staleness_mean": _mean([r["staleness_max"] for r in recs]),
+        "staleness_mean": _mean([r["staleness_mean"] for r in recs]),
+        "staleness_max": max((r["staleness_max"] for r in recs), default=None),
         "rejected_groups": res.summary["rejected_groups"],
         "curve": curve,
     }
