@@ -448,7 +448,7 @@ def test_a_version_published_anew_is_never_served_from_the_old_weights(engine, s
     """Review finding: both LoRA modes keyed the loaded adapter by version number alone (merged: the
     weights; request: lora_int_id = version + 1, which vLLM's LoRA cache never reloads), so a version
     taken back and published anew was sampled from the old weights under the new label."""
-    v = {"merged": 5, "request": 6}[engine.lora_mode]  # one module store for both modes
+    v = store.latest() + 1  # one module store for both modes and the tests that publish into it
     store.publish(perturbed_adapter(tiny_path, seed=5), v)
     first = engine.generate(problems[:6], 6, v, max_new_tokens=MAX_NEW, seed=0)
     other = AdapterStore(store.root)  # the trainer's side: take the version back, publish it anew
