@@ -69,10 +69,6 @@ class Evaluations:
             if name is not None:
                 self.set_of[fut.key] = name
 
-    def submitted_for(self, iteration: int) -> bool:
-        """Whether an evaluation submitted for ``iteration`` is still pending."""
-        return any(it == iteration for it, _ in self.pending)
-
     def due(self) -> list[tuple[int, int]]:
         """The (iteration, version) pairs whose evaluations are pending (every set's at once), for the
         run state: a resumed run submits them again (the results would otherwise be lost)."""
