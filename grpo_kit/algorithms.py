@@ -205,8 +205,8 @@ def skips_zero_adv(fn: PolicyLoss) -> bool:
 def zero_flat_groups(adv: Tensor, rewards: Tensor, group_size: int) -> Tensor:
     """``adv`` (N,) with exactly 0 in every group whose scored rewards are all equal (or fewer than
     two), and on every unscorable completion (NaN reward)."""
-    _, scored, _, flat = scored_groups(rewards, group_size)  # (G, group_size), (G, 1)
-    return torch.where(flat | ~scored, 0.0, adv.view(-1, group_size)).reshape(-1)  # (N,)
+    g = scored_groups(rewards, group_size)
+    return torch.where(g.flat | ~g.scored, 0.0, adv.view(-1, group_size)).reshape(-1)  # (N,)
 
 
 def _check_groups(rewards: Tensor, group_size: int, need: int = 1) -> None:
@@ -244,12 +244,9 @@ def rloo_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) -> Tensor:
     With unscorable completions "the others" are the group's other scored completions."""
     _check_groups(rewards, group_size, need=2)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
-    groups, _, count, _ = scored_groups(r, group_size)  # (G, group_size), (G, 1)
-    if bool((count == group_size).all()):
-        loo = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)  # (G, group_size) the others' mean
-    else:
-        loo = (groups.sum(dim=1, keepdim=True) - groups) / (count - 1).clamp(min=1)
-    return zero_flat_groups((groups - loo).reshape(-1), r, group_size)
+    g = scored_groups(r, group_size)
+    loo = (g.values.sum(dim=1, keepdim=True) - g.values) / (g.count - 1).clamp(min=1)  # (G, group_size) the others' mean
+    return zero_flat_groups((g.values - loo).reshape(-1), r, group_size)
 
 
 @register_advantage("reinforce_pp", takes_unscorable=True)
@@ -264,9 +261,9 @@ def reinforce_pp_advantage(rewards: Tensor, group_size: int, cfg: LossConfig) ->
     per-token reference log-probs, which an estimator does not receive)."""
     _check_groups(rewards, group_size)
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))  # (N,)
-    groups, scored, count, _ = scored_groups(r, group_size)  # (G, group_size), ..., (G, 1)
-    x = (groups - groups.sum(dim=1, keepdim=True) / count.clamp(min=1)).reshape(-1)  # (N,)
-    kept = x[scored.reshape(-1)]  # whitened over the scored completions
+    g = scored_groups(r, group_size)
+    x = (g.values - g.mean).reshape(-1)  # (N,)
+    kept = x[g.scored.reshape(-1)]  # whitened over the scored completions
     std = kept.std() if kept.numel() > 1 else x.new_zeros(())
     return zero_flat_groups((x - (kept.mean() if kept.numel() else 0.0)) / (std + 1e-8), r, group_size)
 
@@ -311,9 +308,8 @@ def compute_advantages(fn: Advantage, rewards: Tensor, group_size: int, cfg: Los
     given = rewards
     if bool(unscorable.any()) and not getattr(fn, "takes_unscorable", False):
         _check_groups(rewards, group_size)
-        groups, scored, count, _ = scored_groups(rewards, group_size)  # (G, group_size), ..., (G, 1)
-        mean = groups.sum(dim=1, keepdim=True) / count.clamp(min=1)  # (G, 1); 0 where none is scored
-        given = torch.where(scored, groups, mean).reshape(-1)
+        g = scored_groups(rewards, group_size)
+        given = torch.where(g.scored, g.values, g.mean).reshape(-1)  # the group's scored mean (0 where none)
     adv = fn(given, group_size, cfg)
     if not isinstance(adv, Tensor) or adv.shape != rewards.shape:
         raise ValueError(f"advantage estimator {reference(fn)} returned {getattr(adv, 'shape', type(adv))}, "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -86,30 +87,43 @@ def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps
     return torch.where(flat, 0.0, centered).reshape(-1)  # (N,)
 
 
-def scored_groups(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-group views of rewards (N,) with NaN for unscorable completions: ``groups`` (G, group_size)
-    with NaN put to 0, ``scored`` (G, group_size) bool, ``count`` (G, 1) the scored per group, and
-    ``flat`` (G, 1): fewer than two scored or all scored equal (no reward spread)."""
+class ScoredGroups(NamedTuple):
+    """Per-group views of rewards (N,) with NaN for unscorable completions (:func:`scored_groups`)."""
+
+    values: Tensor
+    """(G, group_size) the rewards, NaN put to 0."""
+    scored: Tensor
+    """(G, group_size) bool: the completion has a reward."""
+    count: Tensor
+    """(G, 1) scored completions per group."""
+    mean: Tensor
+    """(G, 1) the mean of the scored rewards (0 where none is scored)."""
+    flat: Tensor
+    """(G, 1) bool: fewer than two scored, or all scored equal (no reward spread)."""
+
+
+def scored_groups(rewards: Tensor, group_size: int) -> ScoredGroups:
+    """:class:`ScoredGroups` of rewards (N,) in consecutive groups of ``group_size``."""
     groups = rewards.view(-1, group_size)  # (G, group_size)
     scored = ~torch.isnan(groups)
     count = scored.sum(dim=1, keepdim=True)  # (G, 1)
     hi = torch.where(scored, groups, -torch.inf).amax(dim=1, keepdim=True)
     lo = torch.where(scored, groups, torch.inf).amin(dim=1, keepdim=True)
-    flat = (count < 2) | (hi == lo)  # (G, 1)
-    return torch.where(scored, groups, 0.0), scored, count, flat
+    values = torch.where(scored, groups, 0.0)
+    return ScoredGroups(values, scored, count, values.sum(dim=1, keepdim=True) / count.clamp(min=1),
+                        (count < 2) | (hi == lo))
 
 
 def _group_advantages_unscorable(r: Tensor, group_size: int, scale: str, eps: float) -> Tensor:
-    groups, scored, count, flat = scored_groups(r, group_size)  # (G, group_size), ..., (G, 1), (G, 1)
-    mean = groups.sum(dim=1, keepdim=True) / count.clamp(min=1)  # (G, 1) over the scored
-    centered = torch.where(scored, groups - mean, 0.0)  # (G, group_size)
+    g = scored_groups(r, group_size)
+    centered = torch.where(g.scored, g.values - g.mean, 0.0)  # (G, group_size)
     if scale == "group":  # unbiased, as TRL's nanstd
-        centered = centered / ((centered.square().sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)).sqrt() + eps)
+        centered = centered / ((centered.square().sum(dim=1, keepdim=True) / (g.count - 1).clamp(min=1)).sqrt() + eps)
     elif scale == "batch":
         kept = r[~torch.isnan(r)]
         std = kept.std() if kept.numel() > 1 else r.new_zeros(())
         centered = centered / (std + eps)
-    return torch.where(flat | ~scored, 0.0, centered).reshape(-1)  # (N,)
+    return torch.where(g.flat | ~g.scored, 0.0, centered).reshape(-1)  # (N,)
 
 
 @dataclass(frozen=True)
