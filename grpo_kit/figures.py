@@ -89,15 +89,21 @@ def _rgba(hex_color: str, alpha: float) -> str:
 
 
 Arrays = dict[str, list]
-"""The data arrays of one trace (``x``, ``y`` and for bars ``base``, ``text``, ``customdata``)."""
+"""The data arrays of one trace (``x``, ``y`` and for bars ``base``, ``text``, ``customdata``); a trace
+whose presence depends on the records (a reward component, an eval set, a tool-error kind) also
+carries its ``name``, so that a live update can tell a renamed trace from an updated one."""
 
 
 def _xy(xy: tuple[list, list]) -> Arrays:
     return {"x": xy[0], "y": xy[1]}
 
 
+def _named(arr: Arrays, name: str) -> Arrays:
+    return {**arr, "name": name}
+
+
 def _line(arr: Arrays, name, color, dash=None, mode="lines+markers", **kw) -> go.Scatter:
-    return go.Scatter(**arr, name=name, mode=mode, line=dict(color=color, dash=dash), marker=dict(size=5), **kw)
+    return go.Scatter(**{**arr, "name": name}, mode=mode, line=dict(color=color, dash=dash), marker=dict(size=5), **kw)
 
 
 def _lenient(arr: Arrays, name: str, color: str) -> go.Scatter:
@@ -164,7 +170,7 @@ def reward_data(records: Sequence[Record]) -> list[Arrays]:
         {"x": bx, "y": [base] * len(bx)},
         _xy(eval_series(records, "eval_pass_at_k")),
         _xy(eval_series(records, "eval_maj_acc")),
-        *(_eval_points(records, "acc", name) for name in eval_set_names(records)),
+        *(_named(_eval_points(records, "acc", name), f"held-out: {name}") for name in eval_set_names(records)),
     ]
 
 
@@ -192,8 +198,8 @@ def reward_figure(records: Sequence[Record]) -> go.Figure:
     # runs without a sampled evaluation leave these two empty, out of the legend
     fig.add_trace(_line(pass_k, "held-out pass@k", COLORS["eval_pass_at_k"], dash="dash"), secondary_y=True)
     fig.add_trace(_line(maj, "held-out maj@k", COLORS["eval_maj_acc"], dash="dashdot"), secondary_y=True)
-    for k, (name, arr) in enumerate(zip(eval_set_names(records), sets, strict=True)):
-        fig.add_trace(_line(arr, f"held-out: {name}", _C[(5 + k) % len(_C)], dash="dot"), secondary_y=True)
+    for k, arr in enumerate(sets):
+        fig.add_trace(_line(arr, arr["name"], _C[(5 + k) % len(_C)], dash="dot"), secondary_y=True)
     _style(fig, "Reward and accuracy", 420)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="reward", secondary_y=False)
@@ -291,7 +297,7 @@ def _component_names(records: Sequence[Record]) -> list[str]:
 
 def components_data(records: Sequence[Record]) -> list[Arrays]:
     """Trace arrays of :func:`components_figure`."""
-    comps = [_xy(series(records, lambda r, n=name: (r.get("reward_components") or {}).get(n)))
+    comps = [_named(_xy(series(records, lambda r, n=name: (r.get("reward_components") or {}).get(n))), name)
              for name in _component_names(records)]
     return [_xy(series(records, "reward_errors")), _xy(series(records, "reward_mean")), *comps]
 
@@ -304,8 +310,8 @@ def components_figure(records: Sequence[Record]) -> go.Figure:
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_trace(go.Bar(**errors, name="reward errors", marker_color=COLORS["rejected"], opacity=0.6), secondary_y=True)
     fig.add_trace(_line(total, "total (weighted)", COLORS["reward"]), secondary_y=False)
-    for k, (name, arr) in enumerate(zip(_component_names(records), comps, strict=True)):
-        fig.add_trace(_line(arr, name, _C[(k + 2) % len(_C)], dash="dot"), secondary_y=False)
+    for k, arr in enumerate(comps):
+        fig.add_trace(_line(arr, arr["name"], _C[(k + 2) % len(_C)], dash="dot"), secondary_y=False)
     _style(fig, "Reward components", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="batch mean", secondary_y=False)
@@ -491,7 +497,7 @@ def _base_line(records: Sequence[Record], key: str) -> Arrays:
 
 def episodes_data(records: Sequence[Record]) -> list[Arrays]:
     """Trace arrays of :func:`episodes_figure`."""
-    kinds = [_xy(series(records, lambda r, k=kind: _errors_by_kind(r).get(k)))
+    kinds = [_named(_xy(series(records, lambda r, k=kind: _errors_by_kind(r).get(k))), f"error: {kind}")
              for kind in _error_kinds(records)]
     return [
         *(_xy(series(records, k)) for k in ("turns_mean", "turns_max", "tool_calls_mean", "tool_errors_mean")),
@@ -519,8 +525,8 @@ def episodes_figure(records: Sequence[Record]) -> go.Figure:
     fig.add_trace(_line(ev_rate, "held-out tool rate", COLORS["eval_tool_rate"]), row=2, col=1)
     fig.add_trace(go.Scatter(**base_rate, name="base tool rate", mode="lines",
                              line=dict(color=COLORS["base"], dash="dash")), row=2, col=1)
-    for k, (kind, arr) in enumerate(zip(_error_kinds(records), kinds, strict=True)):
-        fig.add_trace(go.Bar(**arr, name=f"error: {kind}", marker_color=_C[(k + 6) % len(_C)]), row=3, col=1)
+    for k, arr in enumerate(kinds):
+        fig.add_trace(go.Bar(**arr, marker_color=_C[(k + 6) % len(_C)]), row=3, col=1)
     _style(fig, "Episodes: turns and tool calls", 760, barmode="stack")
     fig.update_xaxes(title_text="iteration", row=3, col=1)
     fig.update_yaxes(title_text="count", rangemode="tozero", row=1, col=1)

@@ -21,7 +21,7 @@ from typing import Any
 
 from .figures import all_figures, figure_builders
 from .records import load_run, run_files
-from .series import Record, all_spans, last_number, number, series, thin_records
+from .series import EVAL_FIELDS, Record, all_spans, eval_series, last_number, number, series, thin_records
 
 REPORT_MAX_POINTS = 3000
 """Points per series the HTML report draws at most: every iteration of a 3,000-iteration run."""
@@ -60,7 +60,7 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
     Accuracy is strict (the ``#### <n>`` form and the right value); the lenient rows (the right value
     by any rule) appear only for runs whose records carry lenient accuracy.
     """
-    evals = series(records, "eval_acc")[1]
+    evals = eval_series(records, "eval_acc")[1]  # in version order: the last is the newest version's
     spans = all_spans(records)
     iter_s = series(records, "iter_s")[1]
 
@@ -72,14 +72,19 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
         ys = series(records, key)[1]
         return max(ys) if ys else None
 
+    def newest(key: str) -> float | None:  # the newest version's held-out value
+        ys = eval_series(records, key)[1] if key in EVAL_FIELDS else series(records, key)[1]
+        return ys[-1] if ys else None
+
     def lenient(name: str, key: str) -> dict[str, Any]:  # runs from before lenient grading have no such key
-        return {name: last_number(records, key)} if any(key in r for r in records) else {}
+        if not any(key in r for r in records):
+            return {}
+        return {name: newest(key) if key in EVAL_FIELDS else last_number(records, key)}
 
     def sampled() -> dict[str, Any]:  # a run with eval_samples = k (grpo_kit.passk); a greedy-only run has none
         if not any("eval_pass_at_k" in r for r in records):
             return {}
-        return {"final eval pass@k": last_number(records, "eval_pass_at_k"),
-                "final eval maj@k": last_number(records, "eval_maj_acc")}
+        return {"final eval pass@k": newest("eval_pass_at_k"), "final eval maj@k": newest("eval_maj_acc")}
 
     def episodes() -> dict[str, Any]:  # a multi-turn run's rows; a single-turn run has none
         if not any("turns_mean" in r for r in records):

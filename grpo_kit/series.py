@@ -44,20 +44,45 @@ def last_number(records: Sequence[Record], key: str) -> Any:
     return next((r[key] for r in reversed(records) if number(r.get(key)) is not None), None)
 
 
+EVAL_FIELDS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "eval_acc": lambda ev: ev.get("acc"),
+    "eval_lenient_acc": lambda ev: ev.get("lenient_acc"),
+    "eval_pass_at_k": lambda ev: (ev.get("pass_at") or {}).get(str(ev.get("samples"))) if isinstance(ev.get("pass_at"), Mapping) else None,
+    "eval_maj_acc": lambda ev: ev.get("maj_acc"),
+}
+"""A record's held-out field -> its value in one evaluation result of the record's ``evals`` (what
+:func:`grpo_kit.evals.attach` copies into the record's fields from the latest result)."""
+
+
+def _own_evals(rec: Record) -> list[Mapping[str, Any]]:
+    """The record's evaluation results of a trained version on the task's own held-out set."""
+    evs = rec.get("evals")
+    return [ev for ev in evs if isinstance(ev, Mapping) and ev.get("set") is None
+            and isinstance(ev.get("version"), int) and not isinstance(ev.get("version"), bool) and ev["version"] > 0] \
+        if isinstance(evs, list) else []
+
+
 def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[float]]:
-    """(iterations, values) of a held-out measure, each at the step that produced the version it evaluated.
+    """(iterations, values) of a held-out measure, each at the step that produced the version it evaluated,
+    in version order.
 
     An evaluation finishes later than that step (version v comes out of iteration v - 1): plotted
-    at the iteration during which it finished, it would lag. Records without ``eval_version`` keep
-    their own iteration.
+    at the iteration during which it finished, it would lag. Two evaluations can finish during one
+    iteration: the record's ``evals`` holds both (its ``eval_*`` fields only the last), so a record with
+    ``evals`` is read from them (for the keys of :data:`EVAL_FIELDS`). Records without ``eval_version``
+    keep their own iteration.
     """
-    pts = []
+    pts = set()
     for i, rec in enumerate(records):
+        evs = _own_evals(rec) if key in EVAL_FIELDS else []
+        if evs:
+            pts.update((ev["version"] - 1, y) for ev in evs if (y := number(EVAL_FIELDS[key](ev))) is not None)
+            continue
         y = number(rec.get(key))
         v = rec.get("eval_version")
         if y is not None:
-            pts.append((v - 1 if isinstance(v, int) and not isinstance(v, bool) else iteration_of(rec, i), y))
-    pts.sort()
+            pts.add((v - 1 if isinstance(v, int) and not isinstance(v, bool) else iteration_of(rec, i), y))
+    pts = sorted(pts)
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -105,7 +130,9 @@ def thin_indices(n: int, max_points: int, keep_last: int) -> list[int]:
 
 
 def _has_eval(rec: Record) -> bool:
-    return rec.get("eval_acc") is not None or rec.get("eval_lenient_acc") is not None
+    """Whether the record carries an evaluation result: a trained version's held-out accuracy, or only
+    the base model's or another eval set's (in ``evals``)."""
+    return rec.get("eval_acc") is not None or rec.get("eval_lenient_acc") is not None or bool(rec.get("evals"))
 
 
 def thin_records(records: Sequence[Record], max_points: int, keep_last: int) -> list[Record]:

@@ -99,14 +99,18 @@ _TRACE_ARRAYS = ("x", "y", "base", "text", "customdata")
 
 def update_in_place(fig: go.Figure, fresh: go.Figure | list[Arrays], build: Callable[[], go.Figure] | None = None) -> None:
     """Copy the data arrays of ``fresh`` (a figure, or its trace arrays from :data:`FIGURE_DATA`) into
-    ``fig`` (a ``FigureWidget`` sends one batched message). When the traces differ in number (a new
-    span kind appeared) ``fig``'s traces and layout are replaced wholesale from ``fresh`` or, given
-    arrays, from ``build()``."""
-    arrays = [{k: t[k] for k in _TRACE_ARRAYS if k in t} for t in fresh.data] if isinstance(fresh, go.Figure) else fresh
-    same = len(fig.data) == len(arrays) and (
-        not isinstance(fresh, go.Figure)
-        or all(a.type == b.type and a.name == b.name for a, b in zip(fig.data, fresh.data, strict=True))
-    )
+    ``fig`` (a ``FigureWidget`` sends one batched message). When the traces differ in number or name (a
+    new span kind appeared; thinning dropped the record where an error kind was first seen, so the
+    kinds come in another order) ``fig``'s traces and layout are replaced wholesale from ``fresh`` or,
+    given arrays, from ``build()``."""
+    if isinstance(fresh, go.Figure):
+        arrays = [{k: t[k] for k in _TRACE_ARRAYS if k in t} for t in fresh.data]
+        same = len(fig.data) == len(arrays) and all(
+            a.type == b.type and a.name == b.name for a, b in zip(fig.data, fresh.data, strict=True))
+    else:
+        arrays = [{k: v for k, v in t.items() if k in _TRACE_ARRAYS} for t in fresh]
+        same = len(fig.data) == len(arrays) and all(
+            t.get("name", old.name) == old.name for old, t in zip(fig.data, fresh, strict=True))
     if not same:
         full = fresh if isinstance(fresh, go.Figure) else build()
         fig.data = ()
@@ -176,6 +180,7 @@ class LivePlots:
         if not (frontend if live is None else live):
             return
         static = self._build()
+        self.names = tuple(static)  # a resumed multi-turn run's episode figures too: each is refreshed
         widgets = {name: _figure_widget(fig) for name, fig in static.items()}
         if all(w is not None for w in widgets.values()):
             self._figs = widgets

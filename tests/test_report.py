@@ -198,3 +198,16 @@ def test_wall_time_is_the_loops_clock_not_the_gap_between_sessions():
     assert report.final_numbers(recs)["wall time (s)"] == 20.0
     old = [{k: v for k, v in r.items() if k != "grpo_wall_s"} for r in recs]  # records without the loop's clock
     assert report.final_numbers(old)["wall time (s)"] == 2 * day + 10
+
+
+def test_final_and_best_eval_accuracy_count_every_evaluation_of_a_record():
+    """Versions 2 and 4 evaluated during one iteration: the record's fields keep only the last to
+    finish; the headline numbers read both, the newest version's as final."""
+    from grpo_kit import evals
+
+    recs = [{"iteration": i, "version": i + 1, "spans": [], "eval_acc": None} for i in range(6)]
+    for v, acc in ((4, 0.55), (2, 0.70)):  # version 2's finished last
+        evals.attach(recs[5], {"version": v, "acc": acc, "lenient_acc": acc, "iteration": 5, "start": 0.0, "end": 1.0})
+    nums = report.final_numbers(recs)
+    assert nums["best eval accuracy"] == 0.70 and nums["final eval accuracy"] == 0.55
+    assert nums["final eval accuracy (lenient)"] == 0.55

@@ -40,3 +40,28 @@ def test_thin_records_keeps_sparse_evaluations():
     assert len(view) <= 800 and len(ev_view) >= 100  # within the budget, evaluations kept
     assert ev_view[-1] == ev_all[-1] and view[-1] is recs[-1]
     assert series.thin_records(recs[:50], 800, 200) == recs[:50]
+
+
+def test_thin_records_keeps_a_record_holding_only_the_base_or_another_sets_evaluation():
+    recs = [{"iteration": i, "version": i + 1, "tool_rate": 0.5, "eval_acc": None} for i in range(801)]
+    recs[1]["evals"] = [{"version": 0, "acc": 0.2, "tool_rate": 0.1}]  # the base model's evaluation
+    recs[11]["evals"] = [{"version": 10, "set": "math500", "acc": 0.3}]
+    view = series.thin_records(recs, 800, 200)
+    assert recs[1] in view and recs[11] in view
+
+
+def test_eval_series_reads_every_evaluation_of_a_record():
+    """Two evaluations finishing during one iteration: the record's fields hold the last, its
+    ``evals`` both; an older record without ``evals`` is read from its fields."""
+    from grpo_kit import evals
+
+    recs = [{"iteration": i, "version": i + 1, "spans": [], "eval_acc": None} for i in range(6)]
+    recs[1].update(eval_acc=0.1, eval_version=1)  # a record from before ``evals``
+    for v, acc, pass_k in ((2, 0.40, 0.6), (4, 0.55, 0.7)):
+        evals.attach(recs[5], {"version": v, "acc": acc, "lenient_acc": acc + 0.1, "iteration": v - 1, "start": 0.0,
+                               "end": 1.0, "samples": 4, "pass_at": {"1": acc, "4": pass_k}, "maj_acc": acc})
+    evals.attach(recs[5], {"version": 0, "acc": 0.05, "iteration": 5, "start": 0.0, "end": 1.0})  # the base model's
+    evals.attach(recs[5], {"version": 4, "set": "other", "acc": 0.9, "iteration": 5, "start": 0.0, "end": 1.0})
+    assert series.eval_series(recs, "eval_acc") == ([0, 1, 3], [0.1, 0.40, 0.55])
+    assert series.eval_series(recs, "eval_lenient_acc") == ([1, 3], [0.5, 0.65])
+    assert series.eval_series(recs, "eval_pass_at_k") == ([1, 3], [0.6, 0.7])

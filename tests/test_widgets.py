@@ -216,3 +216,30 @@ def test_a_max_points_too_small_for_evaluations_is_refused_at_once():
     live = widgets.LivePlots(live=True, max_points=3, keep_last=1)
     for i in range(8):
         live({"iteration": i, "reward_mean": 0.1 * i, "eval_acc": 0.5 if i % 3 == 0 else None, "spans": []})
+
+
+def test_a_live_update_rebuilds_when_thinning_reorders_the_error_kinds():
+    """The kinds are listed first seen first in the thinned view: once thinning drops the record
+    where "timeout" first appeared, "parse" comes first. Copying the arrays by position would put
+    parse's counts under the "error: timeout" trace; the names differ, so the figure is rebuilt."""
+    def rec(i, kinds):
+        return {"iteration": i, "episodes": 8, "turns_mean": 2.0, "tool_errors_by_kind": kinds}
+
+    recs = [rec(0, {}), rec(1, {"timeout": 1}), rec(2, {"parse": 5})] + [
+        rec(i, {"timeout": 1, "parse": 5}) for i in range(3, 10)]
+    live = widgets.LivePlots(recs, live=True, names=["episodes"], max_points=10, keep_last=2)
+    assert [t.name for t in live.figures["episodes"].data if t.name.startswith("error")] == ["error: timeout", "error: parse"]
+    live(rec(10, {"timeout": 1, "parse": 5}))  # 11 records: thinning drops record 1
+    fig = live.figures["episodes"]
+    assert {t.name: set(t.y) for t in fig.data if t.name.startswith("error")} == {"error: parse": {5.0}, "error: timeout": {1.0}}
+
+
+def test_a_resumed_multi_turn_run_refreshes_its_episode_figures():
+    def rec(i):
+        return {"iteration": i, "episodes": 8, "turns_mean": 1.0 + i, "reward_mean": 0.1 * i}
+
+    live = widgets.LivePlots([rec(0), rec(1)], live=True)  # the records so far passed in
+    assert {"episodes", "episode_ends"} <= set(live.figures)
+    for i in range(2, 5):
+        live(rec(i))
+    assert list(trace(live.figures["episodes"], "turns mean").x) == [0, 1, 2, 3, 4]
