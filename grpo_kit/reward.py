@@ -20,8 +20,10 @@ Signs (``-``, ``+``, the Unicode minus) and decimals are kept; commas are read o
 separators (``1,234``, ``12,345,678``); answers compare as numbers, so ``18.00`` equals ``18`` and
 ``1,000`` equals ``1000``. Numbers glued to an exponent, a fraction bar, a power, a second decimal
 point or a comma that separates no thousands (``1e3``, ``3/4``, ``2^10``, ``1.2.3``, ``1,2,3``,
-``12,34``, ``0,5``) are rejected rather than read as their first digits or their digits run
-together, so they cannot score by accident.
+``12,34``, ``0,5``), to a mixed number's fraction (``18 1/2``), to a character that is itself a
+number (``18½``, ``18²``) or to another script's decimal mark (``18٫5``, ``18.٥``) are rejected
+rather than read as their first digits or their digits run together, so they cannot score by
+accident. Answers compare exactly, as decimals (``17.99999999999999999`` is not 18).
 Any string, however malformed or long, gives a :class:`RewardResult` with a reason, never an
 exception: texts over ``max_chars`` are rejected before any scan, and every pattern here is linear
 in the text length. Caller bugs (a non-string completion, an unparseable gold) still raise.
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +63,10 @@ _FREE_NUMBER_RE = re.compile(r"(?<![\w.,/^])" + _NUMBER)
 # What may not follow a number: an exponent, digits glued to letters (0x1F, 12km2) or non-ASCII digits,
 # a fraction bar, a power, a second decimal point, a comma glued to a digit (1,2,3, 0,5, 1,234,5: not
 # thousands). Matched on a short window, so it is O(1) per number.
-_BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^]\s*[0-9]|\^|\.[0-9]|,[0-9]")
+_BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^\u2044\u2215]\s*\d|\^|[.,\u066b\u066c\u00b7\uff0e\uff0c]\d"
+                          r"|\s+\d+\s*[/\u2044\u2215]\s*\d")
+# ...nor a character that is itself a number (a vulgar fraction, a superscript power: 18½, 18²)
+_NUMERIC_CATEGORIES = ("Nd", "Nl", "No")
 _TAIL_WINDOW = 32
 # A number's digit run with commas in it, and the same run when its commas separate thousands.
 _COMMA_RUN_RE = re.compile(_SIGN + r"(?P<run>[0-9]+(?:,[0-9]+)+)")
@@ -90,17 +96,18 @@ class RewardResult:
     """Correct by any rule (marker, ``\\boxed{}`` or the last number)."""
 
 
-def _to_float(m: re.Match[str]) -> float:
-    value = float(m["digits"].replace(",", ""))
+def _to_decimal(m: re.Match[str]) -> Decimal:
+    value = Decimal(m["digits"].replace(",", ""))
     sign = m["sign"] or m["sign2"]
-    return -value if sign in ("-", "\u2212") else value
+    return value.copy_negate() if sign in ("-", "\u2212") else value  # exact (unary minus rounds to 28 digits)
 
 
 def _well_ended(text: str, end: int) -> bool:
-    return _BAD_TAIL_RE.match(text[end : end + _TAIL_WINDOW]) is None
+    tail = text[end : end + _TAIL_WINDOW]
+    return _BAD_TAIL_RE.match(tail) is None and not (tail and unicodedata.category(tail[0]) in _NUMERIC_CATEGORIES)
 
 
-def _parse(text: str, marker: str, lenient: bool) -> tuple[float | None, str]:
+def _parse(text: str, marker: str, lenient: bool) -> tuple[Decimal | None, str]:
     """``(value, rule)``; ``rule`` is "marker", "boxed" or "last" on success, else a short reason."""
     at = text.find(marker)
     if at >= 0:
@@ -113,7 +120,7 @@ def _parse(text: str, marker: str, lenient: bool) -> tuple[float | None, str]:
             return None, f"no number after {marker!r}: {tail[:20]!r}"
         if not _well_ended(tail, m.end()):
             return None, f"malformed number after {marker!r}: {tail[: m.end() + 8]!r}"
-        return _to_float(m), "marker"
+        return _to_decimal(m), "marker"
     if not lenient:
         return None, f"no {marker!r} answer"
     at = text.find(_BOXED)
@@ -123,14 +130,14 @@ def _parse(text: str, marker: str, lenient: bool) -> tuple[float | None, str]:
         m = _NUMBER_RE.fullmatch(inner)
         if m is None:
             return None, f"no {marker!r} answer; \\boxed{{}} holds no number: {text[at : at + 24]!r}"
-        return _to_float(m), "boxed"
+        return _to_decimal(m), "boxed"
     last = deque(_FREE_NUMBER_RE.finditer(text), maxlen=1)  # only the last match is kept
     if not last:
         return None, f"no {marker!r} answer and no number"
     m = last[0]
     if not _well_ended(text, m.end()):
         return None, f"no {marker!r} answer; malformed last number {text[m.start() : m.end() + 8]!r}"
-    return _to_float(m), "last"
+    return _to_decimal(m), "last"
 
 
 def stray_commas(answer: str) -> bool:
@@ -177,29 +184,36 @@ def extract_answer(
     _check_text(text, marker)
     if len(text) > max_chars:
         return None
-    return _parse(text, marker, lenient)[0]
+    value = _parse(text, marker, lenient)[0]
+    return None if value is None else float(value)
 
 
-def _gold_value(gold: float | Decimal | str) -> float:
+def _gold_value(gold: float | Decimal | str) -> Decimal:
+    """The gold answer as an exact decimal: a float as its shortest repr (``18.1`` is 18.1, not the
+    binary double nearest it), so answers compare digit for digit."""
     if isinstance(gold, bool):  # a bool is an int; as a gold answer it is always a bug
         raise TypeError("gold must be a number or a numeric string, got bool")
+    if isinstance(gold, int):
+        return Decimal(gold)
     if isinstance(gold, (Real, Decimal)):
-        value = float(gold)
-    elif isinstance(gold, str):
-        s = gold.strip()
-        m = _NUMBER_RE.fullmatch(s)
+        if not math.isfinite(gold):
+            raise ValueError(f"gold must be finite, got {gold!r}")
+        return gold if isinstance(gold, Decimal) else Decimal(repr(float(gold)))
+    if isinstance(gold, str):
+        m = _NUMBER_RE.fullmatch(gold.strip())
         if m is None:
             raise ValueError(f"gold is not a number: {gold!r}")
-        value = _to_float(m)
-    else:
-        raise TypeError(f"gold must be a number or a numeric string, got {type(gold).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"gold must be finite, got {gold!r}")
-    return value
+        return _to_decimal(m)
+    raise TypeError(f"gold must be a number or a numeric string, got {type(gold).__name__}")
 
 
-def _fmt(x: float) -> str:
-    return str(int(x)) if x.is_integer() and abs(x) < 1e16 else repr(x)
+def _fmt(x: Decimal) -> str:
+    """``18`` for 18.00, ``-3.5`` for -3.50: the value without its trailing zeros, cut short when long."""
+    text = format(x, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    text = "0" if text in ("-0", "") else text
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def gsm8k_reward(
@@ -243,12 +257,13 @@ def gsm8k_reward(
         return RewardResult(0.0, None, f"input too long ({len(completion)} chars > {max_chars})")
     if not completion.strip():
         return RewardResult(0.0, None, "empty completion")
-    parsed, how = _parse(completion, MARKER, lenient=True)
+    exact, how = _parse(completion, MARKER, lenient=True)
+    parsed = None if exact is None else float(exact)
     if how == "marker":
-        ok = parsed == target
-        reason = "correct" if ok else f"wrong answer {_fmt(parsed)} != {_fmt(target)}"
+        ok = exact == target  # exact: 17.99999999999999999 is not 18, though the two floats are equal
+        reason = "correct" if ok else f"wrong answer {_fmt(exact)} != {_fmt(target)}"
         return RewardResult(float(ok) + format_bonus, parsed, reason, "marker", ok, ok)
-    loose_ok = parsed is not None and parsed == target
+    loose_ok = exact is not None and exact == target
     rule = how if parsed is not None else None
     if not lenient:
         strict_reason = _parse(completion, MARKER, lenient=False)[1]
@@ -258,7 +273,7 @@ def gsm8k_reward(
     if loose_ok:
         what = "last number" if rule == "last" else "\\boxed{}"
         return RewardResult(lenient_credit, parsed, f"correct (no {MARKER!r}, {what})", rule, False, True)
-    return RewardResult(0.0, parsed, f"wrong answer {_fmt(parsed)} != {_fmt(target)}", rule, False, False)
+    return RewardResult(0.0, parsed, f"wrong answer {_fmt(exact)} != {_fmt(target)}", rule, False, False)
 
 
 def reward_batch(completions: Sequence[str], golds: Sequence[float | str], **kw) -> list[RewardResult]:

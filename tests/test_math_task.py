@@ -70,6 +70,10 @@ REJECTED = [
     ("so 5 apples", "6", "a plain wrong number"),
     ("I do not know.", "6", "no answer at all"),
     ("", "6", "empty"),
+    ("#### 18\u00bd", "18", "a vulgar fraction math-verify drops (18½ read as 18)"),
+    ("\\boxed{18\u00b2}", "18", "a superscript power math-verify drops"),
+    ("#### 18\u066b5", "18", "another script's decimal mark"),
+    ("\\boxed{\uff11\uff18}", "18", "fullwidth digits: math-verify reads no number"),
 ]
 
 
@@ -233,3 +237,23 @@ def test_symbolic_answers_vote_in_maj_at_k():
     metrics = passk.sampled_metrics([[r.correct for r in out]], [[r.parsed for r in out]])
     assert metrics["maj_acc"] == 1.0 and metrics["avg_acc"] == 0.75
     assert math_reward(["q"], ["#### 0.5"], ["1/2"])[0].parsed == 0.5  # a number stays a float
+
+
+def test_an_unread_answer_votes_as_its_text_not_as_a_number():
+    """math-verify reads no number from fullwidth digits (its text fallback); ``float()`` would, and
+    the wrong answer would vote for the gold in maj@k."""
+    (r,) = math_reward(["q"], ["\\boxed{\uff11\uff18}"], ["18"], timeout_s=PATIENT_S)
+    assert r.score == 0.0 and r.parsed != 18.0
+
+
+def test_a_batch_of_slow_answers_stops_at_batch_timeout_s():
+    """Checks run one after another: past ``batch_timeout_s`` the rest are not run (None, unscorable)
+    rather than the whole batch passing the scorer's bound and scoring 0, right answers included."""
+    math_reward(["q"], ["\\boxed{1}"], ["1"], timeout_s=120.0)  # the child's first start imports sympy
+    t0 = time.monotonic()
+    rs = math_reward(["q"] * 4, [HANG] * 3 + ["#### 18"], ["18"] * 4, timeout_s=1.0, batch_timeout_s=1.5)
+    assert [r.score for r in rs[:2]] == [0.0, 0.0] and "timed out" in rs[0].reason
+    assert [r.score for r in rs[2:]] == [None, None] and all("batch_timeout_s" in r.reason for r in rs[2:])
+    assert time.monotonic() - t0 < 30  # two bounded checks and their restarts, not four
+    (r,) = math_reward(["q"], ["#### 18"], ["18"], timeout_s=PATIENT_S)  # the verifier still works
+    assert r.score == 1.0

@@ -107,6 +107,13 @@ EXTRACT_CASES = [
     ("#### 1.2.3", False, None),  # a version-like string is rejected, never read as 1.2
     ("#### 0x1F", False, None),  # hex is rejected, never read as 0
     ("#### \u0664\u0662", False, None),  # non-ASCII digits are not numbers here (documented limit)
+    ("#### 18 1/2", False, None),  # a mixed number is rejected, never read as its whole part
+    ("#### 18\u00bd", False, None),  # ... a vulgar fraction glued to it too (18½)
+    ("#### 18\u00b2", False, None),  # a superscript power is rejected, never read as 18 (18²)
+    ("#### 18\u066b5", False, None),  # another script's decimal mark (18٫5) ...
+    ("#### 18.\u0665", False, None),  # ... or its digits after the point (18.٥)
+    ("#### 18\uff0e5", False, None),  # a fullwidth full stop as the point
+    ("so 18\u00bd", True, None),  # lenient: the same rule for the last number
     ("#### inf", False, None),  # float() would accept these words; the parser must not
     ("#### nan", False, None),  # ... nor this one
     ("The answer is 42.", False, None),  # no marker, strict mode: no answer
@@ -153,6 +160,11 @@ REWARD_CASES = [
     ("#### **18**", 18, {}, RewardResult(1.0, 18.0, "correct", M, *OK)),  # markdown around the answer is still strict
     ("#### 12", 13, {}, RewardResult(0.0, 12.0, "wrong answer 12 != 13", M, *WRONG)),  # wrong: the reason shows both
     ("#### 12.5", 13, {}, RewardResult(0.0, 12.5, "wrong answer 12.5 != 13", M, *WRONG)),  # wrong, non-integer
+    # exact: near-misses that equal the gold as floats are wrong
+    ("#### 17.99999999999999999", 18, {}, RewardResult(0.0, 18.0, "wrong answer 17.99999999999999999 != 18", M, *WRONG)),
+    ("#### 9007199254740993", 9007199254740992, {},
+     RewardResult(0.0, 9007199254740992.0, "wrong answer 9007199254740993 != 9007199254740992", M, *WRONG)),
+    ("#### 18.1", 18.1, {}, RewardResult(1.0, 18.1, "correct", M, *OK)),  # a float gold is its shortest repr, not the double
     ("#### 13\n#### 12", 13, {}, RewardResult(1.0, 13.0, "correct", M, *OK)),  # the first marker wins
     # a marked wrong answer is wrong even when the right number appears later: lenient never overrides a marker
     ("#### 12, no: 13", 13, {"lenient": True}, RewardResult(0.0, 12.0, "wrong answer 12 != 13", M, *WRONG)),
@@ -253,9 +265,10 @@ def test_max_chars_is_a_knob():
 
 
 def test_huge_number_is_a_wrong_answer_not_an_exception():
-    # float() turns a 50,000-digit number into inf; it must compare unequal, not raise.
+    # float() turns a 50,000-digit number into inf; it must compare unequal, not raise, and the reason stays short.
     r = gsm8k_reward("#### " + "9" * 50_000, 5)
-    assert r.score == 0.0 and r.parsed == float("inf") and r.reason == "wrong answer inf != 5"
+    assert r.score == 0.0 and r.parsed == float("inf") and r.reason == "wrong answer 99999999999999999999... (50000 characters) != 5"
+    assert gsm8k_reward("#### -" + "9" * 40 + "8", "-" + "9" * 41).score == 0.0  # exact past Decimal's 28 digits
 
 
 @pytest.mark.parametrize(

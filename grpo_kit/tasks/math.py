@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,8 +67,8 @@ for line in sys.stdin:
         g = gold_parse(req["gold"])
         p = parse(req["pred"], parsing_timeout=None)
         ok = bool(g) and bool(p) and verify(g, p, timeout_seconds=None)
-        try:
-            value = float(p[0]) if p else None
+        try:  # a number only from math-verify's sympy answer: its text fallback is what it could not read,
+            value = float(p[0]) if p and not isinstance(p[0], str) else None  # and float() reads "１８"
         except Exception:
             value = None
         ans = {"ok": ok, "pred": str(p[-1]) if p else None, "value": value, "gold": str(g[-1]) if g else None}
@@ -178,18 +179,41 @@ def _as_float(v) -> float | None:
     return v if isinstance(v, float) and math.isfinite(v) else None
 
 
+BATCH_TIMEOUT_S = 45.0
+"""Default ``batch_timeout_s`` of :func:`math_reward`: checks run one after another (one verifier), so a
+batch of slow answers would otherwise pass the scorer's 60 s bound and score 0 whole."""
+UNREADABLE = "\u066b\u066c"  # Arabic decimal and thousands separators
+
+
+def unreadable_number(answer: str) -> bool:
+    """Whether ``answer`` holds a character that is itself a number (``½``, ``²``) or another script's
+    decimal mark (``18٫5``): math-verify drops these and would read ``18½`` as 18.
+
+    >>> [unreadable_number(s) for s in ("18½", "18²", "18٫5", "\\frac{37}{2}", "18")]
+    [True, True, True, False, False]
+    """
+    return any(ch in UNREADABLE or unicodedata.category(ch) in ("No", "Nl") for ch in answer)
+
+
 def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequence[str], timeout_s: float = 5.0,
-                **_) -> list[RewardResult]:
+                batch_timeout_s: float | None = BATCH_TIMEOUT_S, **_) -> list[RewardResult]:
     """1.0 when math-verify finds the completion's final answer equal to the gold, else 0.0 with the
-    reason (TRL's signature). Each check is bounded by ``timeout_s`` (see :class:`Verifier`).
+    reason (TRL's signature). Each check is bounded by ``timeout_s`` (see :class:`Verifier`); a
+    completion not checked within ``batch_timeout_s`` of the call is not checked: its score is None
+    ("not run", unscorable unless another reward scores it), so the call returns within about
+    ``batch_timeout_s + timeout_s`` plus a restart, inside the scorer's per-batch bound (60 s).
 
     >>> [r.score for r in math_reward(["q"] * 3, ["so \\\\boxed{\\\\frac{1}{2}}", "#### 0.5", "it is 2"], ["0.5"] * 3)]
     [1.0, 1.0, 0.0]
     """
     v = verifier()
     out = []
+    deadline = None if batch_timeout_s is None else time.monotonic() + batch_timeout_s
     for c, g in zip(completions, gold, strict=True):
         c = text_of(c)  # TRL's conversational form too; anything else raises TypeError
+        if deadline is not None and time.monotonic() > deadline:
+            out.append(RewardResult(None, None, f"not run: the batch's {batch_timeout_s:g} s (batch_timeout_s) ran out"))
+            continue
         if len(c) > MAX_CHARS:
             out.append(RewardResult(0.0, None, f"input too long ({len(c)} chars > {MAX_CHARS})"))
             continue
@@ -197,6 +221,9 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
             out.append(RewardResult(0.0, None, "empty completion"))
             continue
         pred = final_answer(c)
+        if unreadable_number(pred):
+            out.append(RewardResult(0.0, None, f"unreadable number in the answer: {pred[:20]!r}"))
+            continue
         if MARKER in c and stray_commas(pred):  # "#### 1,2345": math-verify would read 1234
             out.append(RewardResult(0.0, None, f"malformed number after {MARKER!r}: {pred[:20]!r}"))
             continue
