@@ -49,7 +49,7 @@ ADVERSARIAL = [
     ("brute force that is lucky within the budget", 5, list(range(1, 8)), 1.0),
     ("out-of-range guesses use the budget", 99, [0, 101, -5, 10**9, 200, 300, 400, 99], 0.0),
     ("non-integers use the budget", 3, ["3", 3.0, None, [3], {"n": 3}, "three", 2.5, 3], 0.0),
-    ("a bool is not a number", 1, [True, 1], 1.0),
+    ("a bool is not a number", 1, [True], 0.0),  # True == 1: read as a guess it would find the number
     ("guessing on after the number was found changes nothing", 50, [50, 1, 2, 3, 4, 5, 6, 7, 8], 1.0),
     ("no guess at all", 42, [], 0.0),
 ]
@@ -125,3 +125,11 @@ def test_episodes_of_a_binary_search_find_every_number_and_text_alone_scores_zer
     scores = task.scorer().score_problems(probs, [c.messages[-1]["content"] for c in cheats],
                                           {"env_reward": [c.env_reward for c in cheats]})
     assert [s.reward for s in scores] == [0.0] * len(probs) and not any(s.correct for s in scores)
+
+
+def test_env_reward_scores_a_missing_or_non_finite_environment_reward_zero():
+    """None (the episode ended in an error) and NaN (a user environment's arithmetic) both score 0:
+    either as unscorable would give the episode advantage 0 where it earned the penalty."""
+    from grpo_kit.tasks.base import env_reward
+
+    assert env_reward(["q"] * 5, ["c"] * 5, env_reward=[None, 1.0, float("nan"), float("inf"), 0.5]) == [0.0, 1.0, 0.0, 0.0, 0.5]
