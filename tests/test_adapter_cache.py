@@ -8,9 +8,10 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import shutil
 import threading
 import time
+
+import pytest
 
 from grpo_kit.adapter_cache import (
     close_all,
@@ -103,15 +104,18 @@ def child_cache_dir(q) -> None:
     q.put(process_cache_dir())
 
 
-def test_process_cache_dir_is_per_process(tmp_path):
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_process_cache_dir_is_per_process_and_a_child_removes_its_own(method):
+    """A multiprocessing child (a Dask worker is one, started by forkserver by default) ends in
+    ``os._exit``, past ``atexit``: its cache directory goes with multiprocessing's exit handlers;
+    its parent's stays."""
     mine = process_cache_dir()
     assert process_cache_dir() == mine and os.path.isdir(mine)
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context(method)
     q = ctx.Queue()
     p = ctx.Process(target=child_cache_dir, args=(q,))
     p.start()
-    theirs = q.get(timeout=30)
-    p.join(30)
+    theirs = q.get(timeout=60)
+    p.join(60)
     assert p.exitcode == 0 and theirs != mine
-    assert os.path.isdir(mine)
-    shutil.rmtree(theirs, ignore_errors=True)  # a multiprocessing child exits without atexit handlers
+    assert os.path.isdir(mine) and not os.path.exists(theirs)
