@@ -130,6 +130,12 @@ def connect(
     use_worker_start(worker_start)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     gpus = _visible_gpus()
+    roles = ([(ROLLOUT, i) for i in range(n_rollout_workers)] + [(TRAINER, i) for i in range(n_trainer_workers)]
+             + [(REWARD, i) for i in range(n_reward_workers)] + [(EVAL, i) for i in range(n_eval_workers)])
+    if gpus and len(gpus) > 1 and len(roles) > len(gpus):  # before the cluster starts: a warning turned error leaks nothing
+        warnings.warn(f"{len(roles)} workers on {len(gpus)} GPUs: workers share devices round-robin "
+                      f"({', '.join(f'{r}-{i}' for r, i in roles)} on {', '.join(gpus[k % len(gpus)] for k in range(len(roles)))}); "
+                      "an engine sized by gpu_memory_utilization may not fit beside a trainer rank", RuntimeWarning, stacklevel=2)
     cluster = local_cluster_class()(
         n_workers=0,
         threads_per_worker=threads_per_worker,
@@ -138,37 +144,18 @@ def connect(
         dashboard_address="127.0.0.1:0",
         silence_logs=logging.ERROR,
     )
-    roles = ([(ROLLOUT, i) for i in range(n_rollout_workers)] + [(TRAINER, i) for i in range(n_trainer_workers)]
-             + [(REWARD, i) for i in range(n_reward_workers)] + [(EVAL, i) for i in range(n_eval_workers)])
     for k, (role, i) in enumerate(roles):
-        mine = [cpus[(k * threads_per_worker + j) % len(cpus)] for j in range(threads_per_worker)] if pin_cpus else cpus
-        env = {
-            **os.environ,  # as a spawned worker would inherit it (a forked one has the forkserver's)
-            "OMP_NUM_THREADS": str(threads_per_worker),
-            "MKL_NUM_THREADS": str(threads_per_worker),
-            "GRPO_KIT_CPUS": ",".join(map(str, mine)) if pin_cpus else "",
-            "GRPO_KIT_THREADS": str(threads_per_worker),
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)) if pin_cpus else "auto",
-            "TOKENIZERS_PARALLELISM": "false",
-            "GRPO_KIT_OWN_PGRP": "1",  # see ThreadsPlugin: a kernel interrupt must not reach the workers
-        }
-        if gpus:  # one device per worker, round-robin, as a GPU cluster gives each role its own
-            env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
         cluster.worker_spec[f"{role}-{i}"] = {
             "cls": Nanny,
             "options": {
                 "nthreads": 1,
                 "resources": {role: 1},
                 "host": "127.0.0.1",
-                "env": env,
+                "env": worker_env(k, threads_per_worker, cpus if pin_cpus else None, gpus),
                 "memory_limit": 0,
                 "silence_logs": logging.ERROR,
             },
         }
-    if gpus and len(gpus) > 1 and len(roles) > len(gpus):
-        warnings.warn(f"{len(roles)} workers on {len(gpus)} GPUs: workers share devices round-robin "
-                      f"({', '.join(f'{r}-{i}' for r, i in roles)} on {', '.join(gpus[k % len(gpus)] for k in range(len(roles)))}); "
-                      "an engine sized by gpu_memory_utilization may not fit beside a trainer rank", RuntimeWarning, stacklevel=2)
     client = None
     try:
         cluster.scale(len(roles))
@@ -204,10 +191,20 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     if not names:
         raise ValueError("this cluster has no rollout-<i> worker spec to copy")
     template, nxt = spec[names[0]], int(str(names[-1]).rsplit("-", 1)[1]) + 1
-    while len(names) < n:
-        spec[f"{ROLLOUT}-{nxt}"] = {"cls": template["cls"], "options": dict(template["options"])}
+    env0 = template["options"].get("env") or {}
+    threads = int(env0.get("GRPO_KIT_THREADS") or 1)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    gpus = _visible_gpus()
+    while len(names) < n:  # the next device and cores round-robin, as connect placed the first workers
+        opts = dict(template["options"])
+        if env0:
+            opts["env"] = worker_env(len(spec), threads, cpus if env0.get("GRPO_KIT_CPUS") else None, gpus)
+        spec[f"{ROLLOUT}-{nxt}"] = {"cls": template["cls"], "options": opts}
         names.append(f"{ROLLOUT}-{nxt}")
         nxt += 1
+    if len(gpus) > 1 and len(spec) > len(gpus):
+        warnings.warn(f"{len(spec)} workers on {len(gpus)} GPUs: the rollout workers share devices round-robin with "
+                      "the others; an engine sized by gpu_memory_utilization may not fit", RuntimeWarning, stacklevel=2)
     while len(names) > n:
         del spec[names.pop()]
     cluster.scale(len(spec))  # no count change: applies the edited specs (SpecCluster._correct_state)
@@ -219,6 +216,26 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
         if time.time() > deadline:
             raise TimeoutError(f"the rollout role has {len(found)} workers, not {n}, after {timeout:.0f}s")
         time.sleep(0.2)
+
+
+def worker_env(k: int, threads: int, cpus: list[int] | None, gpus: list[str]) -> dict[str, str]:
+    """The environment of the ``k``-th worker of a :func:`connect` cluster: ``threads`` torch/OpenMP
+    threads, pinned to its own cores round-robin over ``cpus`` (None: not pinned), and device
+    ``gpus[k % len(gpus)]`` where there are GPUs."""
+    mine = [cpus[(k * threads + j) % len(cpus)] for j in range(threads)] if cpus else []
+    env = {
+        **os.environ,  # as a spawned worker would inherit it (a forked one has the forkserver's)
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "GRPO_KIT_CPUS": ",".join(map(str, mine)),
+        "GRPO_KIT_THREADS": str(threads),
+        "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)) if mine else "auto",
+        "TOKENIZERS_PARALLELISM": "false",
+        "GRPO_KIT_OWN_PGRP": "1",  # see ThreadsPlugin: a kernel interrupt must not reach the workers
+    }
+    if gpus:  # one device per worker, round-robin, as a GPU cluster gives each role its own
+        env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]
+    return env
 
 
 def _visible_gpus() -> list[str]:

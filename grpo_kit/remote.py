@@ -26,7 +26,17 @@ from distributed import Client, Future, WorkerPlugin, get_worker, wait
 from distributed.scheduler import KilledWorker
 
 from .adapters import AdapterStore
-from .cluster import ENGINE_PLUGIN, EVAL, ROLLOUT, THREADS_PLUGIN, TRAINER, ThreadsPlugin, warm_workers, workers_with
+from .cluster import (
+    ENGINE_PLUGIN,
+    EVAL,
+    ROLLOUT,
+    THREADS_PLUGIN,
+    TRAINER,
+    ThreadsPlugin,
+    warm_workers,
+    worker_resources,
+    workers_with,
+)
 from .config import Config
 from .data import DEFAULT_INSTRUCTION, Problem
 from .episode import EpisodePlan, to_rollout
@@ -255,7 +265,7 @@ def gather_pinned(client: Client, parts: dict[str, tuple[str, Future]], poll_s: 
             wait([f for _, f in pending.values()], timeout=poll_s, return_when="FIRST_COMPLETED")
         except TimeoutError:
             pass
-        present = set(client.scheduler_info(n_workers=-1)["workers"]) if pending else set()
+        present = set(worker_resources(client)) if pending else set()  # the scheduler's, not the client's cached view
         for name, (w, f) in list(pending.items()):
             if f.done():
                 out[name] = f.result()

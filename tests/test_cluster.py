@@ -114,3 +114,27 @@ def test_workers_are_forked_with_the_heavy_imports_done_and_the_current_environm
         cl.use_worker_start("forkserver")  # the rest of the suite's clusters, as connect's default
     with pytest.raises(ValueError, match="worker_start"):
         cl.connect(worker_start="fork", quiet=True)
+
+
+def test_scale_rollout_places_new_workers_round_robin_like_connect(monkeypatch):
+    """Review finding: a rollout worker added by scale_rollout copied rollout-0's environment, its
+    device and cores included: with four GPUs, rollout-1 and rollout-2 both went on device 0 (a
+    second engine there runs out of memory) while devices 2 and 3 sat idle."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # this CPU machine's torch sees no device either way
+
+    def placement(dask_worker):
+        import os
+
+        return dask_worker.name, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("GRPO_KIT_CPUS")
+
+    client = cl.connect(n_rollout_workers=1, n_trainer_workers=1, pin_cpus=True, quiet=True)
+    try:
+        cl.scale_rollout(client, 3, timeout=120)
+        spec = client.cluster.worker_spec
+        devices = {name: spec[name]["options"]["env"]["CUDA_VISIBLE_DEVICES"] for name in spec}
+        assert devices == {"rollout-0": "0", "trainer-0": "1", "rollout-1": "2", "rollout-2": "3"}
+        seen = {name: (dev, cpus) for name, dev, cpus in client.run(placement).values()}
+        assert {name: dev for name, (dev, _) in seen.items()} == devices
+        assert all(cpus for _, cpus in seen.values())  # pinned, as connect pinned the first two
+    finally:
+        cl.shutdown(client)

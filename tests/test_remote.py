@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from distributed import get_task_stream
 
 from grpo_kit import cluster as cl
 from grpo_kit import config, models, remote
@@ -13,10 +14,6 @@ from grpo_kit import config, models, remote
 CLUSTER_SHAPE = {"n_rollout_workers": 1, "n_trainer_workers": 1}
 GONE = "tcp://127.0.0.1:9"
 """A worker address that is not in the cluster (a rollout worker that left during the warm-up)."""
-
-
-def _placements(dask_scheduler) -> dict:
-    return {k: ts.processing_on.address for k, ts in dask_scheduler.tasks.items() if ts.processing_on is not None}
 
 
 def test_warm_up_leaves_out_a_worker_that_left_and_touches_no_other_role(client, tmp_path, monkeypatch):
@@ -33,11 +30,13 @@ def test_warm_up_leaves_out_a_worker_that_left_and_touches_no_other_role(client,
     monkeypatch.setattr(remote, "wait_until_warm", lambda c: [GONE, rollout])
     no_gang = SimpleNamespace(specs=list, workers=[])
 
-    out = remote.warm_up(client, no_gang, 0, "warm-test")
+    with get_task_stream(client) as stream:
+        out = remote.warm_up(client, no_gang, 0, "warm-test")
 
     assert list(out) == [f"engine {rollout}"] and out[f"engine {rollout}"] > 0
     assert cl.workers_with(client, cl.TRAINER) == trainers  # the trainer worker is still there
-    assert not any(w in trainers for w in client.run_on_scheduler(_placements).values())
+    ran = {t["worker"] for t in stream.data if str(t["key"]).startswith("warm-test")}
+    assert ran == {rollout}, ran  # the gone worker's task ran nowhere, the trainer ran none
     # and the cluster still places work by role
     assert client.submit(sum, [1, 2], resources={cl.TRAINER: 1}, pure=False).result(timeout=60) == 3
 
