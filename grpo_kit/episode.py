@@ -214,14 +214,16 @@ def to_rollout(ep: Episode) -> Rollout:
     """The :class:`~grpo_kit.rollout.Rollout` the trainer takes for a finished episode: its whole stream
     (``completion_ids``: model and environment ids), ``logprobs`` and ``mask``, so one forward scores the
     stream and the loss covers the sampled ids only (:mod:`grpo_kit.train_step`). ``text`` is the last
-    assistant message (the final answer, for a text reward), ``reward`` the environment's
+    assistant message of the episode's own turns (the final answer, for a text reward; "" without a turn), ``reward`` the environment's
     (:attr:`Episode.env_reward`, None without one), ``finish_reason`` ``"length"`` when the episode ran
     out of budget (``"stop"`` otherwise)."""
     if ep.end_reason is None:
         raise ValueError(f"episode {ep.prompt_id!r}/{ep.sample_idx} is still running")
     if not len(ep.completion_ids) == len(ep.mask) == len(ep.logprobs):
         raise ValueError(f"episode {ep.prompt_id!r}/{ep.sample_idx}: completion_ids, mask and logprobs differ in length")
-    answers = [m["content"] for m in ep.messages if m.get("role") == "assistant"]
+    # the episode's own turns only: a conversational prompt's assistant messages (few-shot demos) are
+    # not its answer (an episode that sampled nothing, its reset having raised, would score on a demo)
+    answers = [m["content"] for m in ep.messages[ep.prompt_messages:] if m.get("role") == "assistant"]
     return Rollout(
         prompt_id=ep.prompt_id, group_id=ep.group_id, sample_idx=ep.sample_idx, prompt_ids=list(ep.prompt_ids),
         completion_ids=list(ep.completion_ids), logprobs=list(ep.logprobs), version=ep.version,

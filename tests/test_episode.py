@@ -180,6 +180,12 @@ def test_to_rollout_keeps_the_stream_and_its_mask():
         to_rollout(dataclasses.replace(ep, end_reason=None))
     with pytest.raises(ValueError, match="length"):
         to_rollout(dataclasses.replace(ep, mask=[1, 0, 1]))
+    # a conversational prompt's demo answer is not the episode's: one that sampled nothing (its reset
+    # raised) has no text, where it was scored on the demo's "#### 4"
+    demo = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "#### 4"}, {"role": "user", "content": "3+3?"}]
+    empty = dataclasses.replace(ep, completion_ids=[], mask=[], logprobs=[], messages=demo, prompt_messages=3, end_reason="error")
+    assert to_rollout(empty).text == ""
+    assert to_rollout(dataclasses.replace(ep, messages=demo + ep.messages[1:], prompt_messages=3)).text == "final"
 
 
 def test_episodes_reproduce_by_seed_alone(tiny_engine):

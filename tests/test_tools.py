@@ -4,6 +4,8 @@ an answer for the model (never an exception)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -71,11 +73,14 @@ def power(a: int, b: int) -> int:
     return a**b
 
 
-BOX = ToolBox([add, boom, slow, listing, power], timeout_s=0.3, max_calls=3)
+BOX = ToolBox([add, boom, slow, listing, power], timeout_s=10.0, max_calls=3)
+"""A limit no quick tool meets on a loaded machine (at 0.3 s a garbage collection in the tool's thread,
+~0.3 s with torch loaded, turned an expected answer into a timeout now and then)."""
+SLOW_BOX = ToolBox([slow], timeout_s=0.3)
 
 
-def run(fmt: str, text: str):
-    return [BOX.call(c) for c in parser(fmt).parse(text)]
+def run(fmt: str, text: str, box: ToolBox = BOX):
+    return [box.call(c) for c in parser(fmt).parse(text)]
 
 
 HERMES = [
@@ -121,6 +126,8 @@ PLAIN = [
     ("<call>add(" + "-" * 200_000 + "1, 2)</call>", [(None, "malformed")]),  # MemoryError from the parser's depth
     ("<call>add(" + "[" * 300 + "]" * 300 + ", 2)</call>", [(None, "malformed")]),  # too many nested parentheses
     ("<call>power(10, 5000)</call>", [(None, "raised")]),  # the result's str() raises in the tool's thread
+    ("<call>add(x, 2)</call>", [(None, "malformed")]),  # a name, not a literal (the answer names no address)
+    ("<call>add(a=1, a=2)</call>", [(None, "malformed")]),  # a keyword twice: not the last one silently
 ]
 
 
@@ -136,6 +143,15 @@ def test_parse_and_call(fmt, text, expected):
             assert "error" in json.loads(r.content)
 
 
+def test_a_malformed_call_is_answered_the_same_in_every_process():
+    """A non-literal argument's answer came from ast.literal_eval's message, which names the node's
+    address (<ast.Name object at 0x7f...>): a retried episode read different environment ids."""
+    code = ("from grpo_kit.tools import PlainParser; "
+            "print([c.error for c in PlainParser().parse('<call>add(x, 3*4, *y)</call><call>add(b=x)</call>')])")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)}
+    assert len(outs) == 1 and "0x" not in outs.pop()
+
+
 def test_error_answers_say_what_went_wrong():
     (unknown,) = run("hermes", '<tool_call>{"name": "sub", "arguments": {}}</tool_call>')
     assert "sub" in unknown.content and "add" in unknown.content  # names the tool and what exists
@@ -145,7 +161,7 @@ def test_error_answers_say_what_went_wrong():
 
 def test_a_tool_past_its_time_limit_is_answered_without_waiting_for_it():
     t0 = time.perf_counter()
-    (r,) = run("plain", "<call>slow(3.0)</call>")
+    (r,) = run("plain", "<call>slow(3.0)</call>", SLOW_BOX)
     assert r.error == "timeout" and "timed out" in r.content
     assert time.perf_counter() - t0 < 2.0  # the limit is 0.3 s; the call takes 3 s
     assert "slow finished" not in SIDE_EFFECTS
