@@ -10,6 +10,7 @@ record of the iteration in which they arrived (:func:`attach`); the run's end wa
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 from . import cluster as cl
@@ -53,6 +54,9 @@ class Evaluations:
         # on its own workers where there are any (off the rollout engines), else after generation
         self.role = cl.EVAL if cl.workers_with(client, cl.EVAL) else cl.ROLLOUT
         self.pending: list = []  # (iteration, future)
+        self.errors: list[dict] = []
+        """Evaluations that failed (``iteration``, ``version``, ``error`` and ``set`` for another set),
+        until :meth:`take_errors`: a failed evaluation loses its number, not the run."""
         self.set_of: dict = {}  # an evaluation future's key -> its set's name (the task's own: absent)
 
     def submit(self, iteration: int, version: int) -> None:
@@ -86,13 +90,36 @@ class Evaluations:
             if not block and self.retries.retry_lost([fut]):
                 continue  # resubmitted: its workers died (KilledWorker)
             if block or fut.done():
-                res = self.retries.gather([fut])[0]
+                try:
+                    res = self.retries.gather([fut])[0]
+                except Exception as e:  # noqa: BLE001 - a held-out prompt too long for the engine, a reward bug
+                    self.fail(it, fut, e)
+                    continue
                 res["iteration"] = it
                 if fut.key in self.set_of:
                     res["set"] = self.set_of.pop(fut.key)
                 done.append(res)
                 self.pending.remove((it, fut))
         return done
+
+
+    def fail(self, it: int, fut, e: Exception) -> None:
+        """Record and warn of a failed evaluation and drop it: raised out of :meth:`collect`, it aborted
+        the run before the step just trained was committed, and a resumed run submitted it again first
+        and failed the same way."""
+        err = {"iteration": it, "version": version_of(fut), "error": f"{type(e).__name__}: {e}"[:500]}
+        name = self.set_of.pop(fut.key, None)
+        if name is not None:
+            err["set"] = name
+        self.errors.append(err)
+        self.pending.remove((it, fut))
+        warnings.warn(f"the evaluation of adapter v{err['version']}{f' on {name}' if name else ''} failed "
+                      f"({err['error']}); the run goes on without it", RuntimeWarning, stacklevel=3)
+
+    def take_errors(self) -> list[dict]:
+        """The failed evaluations since the last call (a metrics record's ``eval_errors``)."""
+        out, self.errors = self.errors, []
+        return out
 
 
 def attach(rec: dict, res: dict) -> None:

@@ -140,6 +140,10 @@ def run(
     task = tasks.for_config(cfg, task)  # so do a bad task, dataset or column
     tracking = TrackerSet.for_names(cfg.run.report_to)  # and an unknown tracker name
     train_pool = task.load("train", cfg.data.train_size, cfg.run.seed)
+    if len(train_pool) < cfg.sampling.prompts_per_step:  # before any cluster: else the first batch fails, minutes in
+        raise ValueError(f"task {task.name!r} has {len(train_pool)} training problems (train_size="
+                         f"{cfg.data.train_size}), fewer than prompts_per_step={cfg.sampling.prompts_per_step}: "
+                         "lower prompts_per_step or give the task more rows")
     heldout = task.load("heldout", cfg.data.eval_size, 0)
     more_sets = evals.eval_set_tasks(cfg, task, eval_sets)
     more_heldout = {n: [remote.problem_dict(p) for p in t.load("heldout", cfg.data.eval_size, 0)] for n, t in more_sets.items()}
@@ -609,6 +613,8 @@ class _Driver:
         iteration again, and its rows must not reach a tracker twice), apply retention, call the callbacks."""
         for res in self.collect_evals():
             evals.attach(rec, res)
+        if errors := self.evals.take_errors():
+            rec["eval_errors"] = errors
         rec["base_acc"] = self.state["base_acc"]
         # wall time of the loop itself, summed over resumed sessions: everything on the critical
         # path (dispatch, I/O, callbacks), unlike iter_s which ends when the record is complete
@@ -675,10 +681,13 @@ class _Driver:
             if final_version not in self.evals.versions():  # (pending since the iteration that published it)
                 self.evals.submit(cfg.run.iterations - 1, final_version)
         final = self.collect_evals(block=True)
-        if final and self.records:
+        errors = self.evals.take_errors()
+        if (final or errors) and self.records:
             last = self.records[-1]
             for res in final:
                 evals.attach(last, res)
+            if errors:
+                last.setdefault("eval_errors", []).extend(errors)
             last["base_acc"] = self.state["base_acc"]
             write_jsonl(self.metrics_path, self.records)
             self.trackers.on_eval(final, last["iteration"])

@@ -186,6 +186,9 @@ class MetricsRecord(TypedDict, total=False):
     """maj@k of ``eval_version`` (present with ``eval_pass_at_k``; None: no answer to vote on)."""
     evals: list[EvalResult]
     """Every evaluation that finished during this iteration (the base model's included)."""
+    eval_errors: list[dict]
+    """Evaluations that failed during this iteration (``iteration``, ``version``, ``error``, ``set`` for
+    another set): warned of and dropped; the run goes on (present only when there are any)."""
     base_acc: float | None
     """The base model's held-out accuracy (strict), once measured."""
     # the trainer's statistics (loss.py / train_step.py); the means are None, never NaN, for a step

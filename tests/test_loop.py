@@ -503,6 +503,24 @@ def test_evaluations_a_stopped_run_left_pending_are_run_on_resume(tmp_path, clie
     assert res.summary["acc_before"] is not None
 
 
+def test_an_evaluation_that_fails_loses_its_number_not_the_run(tmp_path, client):
+    """Review finding: an evaluation task that raised (here another held-out set with a prompt longer
+    than the engine's context) was re-raised at the next commit: the run stopped, the step just
+    trained was taken back, and a resumed run submitted it again first and failed the same way."""
+    cfg = _cfg(tmp_path, iterations=3, world_size=1, eval_every=2, eval_size=8)
+    long = tasks.resolve("synthetic")
+    long = dataclasses.replace(long, problems=lambda split, n, seed, t=long: [
+        dataclasses.replace(p, question=p.question + " and" * 2000) for p in t.problems(split, 2, seed)])
+    with pytest.warns(RuntimeWarning, match="evaluation of adapter v.* on long failed"):
+        res = loop.run(cfg, client=client, progress=False, eval_sets={"long": long})
+    assert [r["iteration"] for r in res.records] == [0, 1, 2] and _chain(AdapterStore(cfg.run.store_root)) == [1, 2, 3]
+    errors = [e for r in res.records for e in r.get("eval_errors", [])]
+    assert {e["version"] for e in errors} == {0, 2, 3} and all(e["set"] == "long" and "max_model_len" in e["error"]
+                                                               for e in errors)
+    own = {e["version"] for r in res.records for e in r.get("evals", []) if "set" not in e}
+    assert own == {0, 2, 3} and res.summary["acc_after"] is not None  # the task's own set was evaluated
+
+
 def test_a_stopping_driver_takes_back_the_version_of_a_step_submitted_ahead(tmp_path, client, monkeypatch):
     """With train_ahead (the default), the step of iteration 2 is submitted before iteration 1 is
     committed. A driver that stops after committing iteration 1, once that step has published v3,
@@ -929,3 +947,13 @@ def test_evaluation_runs_on_eval_workers_where_there_are_any(tmp_path):
         assert [k.split(" ")[0] for k in res.summary["warm_up_s"]].count("engine") == 1
     finally:
         cl.shutdown(client)
+
+
+def test_a_training_pool_smaller_than_a_batch_is_refused_before_any_cluster(tmp_path):
+    """Review finding: 3 training rows and prompts_per_step=4 failed only at iteration 0's batch
+    ("rollouts do not form 4 complete groups"), after the engines and the trainer ranks were built."""
+    three = tasks.resolve("synthetic")
+    three = dataclasses.replace(three, problems=lambda split, n, seed, t=three: t.problems(split, min(n, 3), seed))
+    cfg = _cfg(tmp_path, prompts_per_step=4)
+    with pytest.raises(ValueError, match="3 training problems .* fewer than prompts_per_step=4"):
+        loop.run(cfg, task=three, progress=False)  # no client: it would start a LocalCluster first
