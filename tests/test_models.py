@@ -32,9 +32,10 @@ def test_smollm2_checkpoint(smol_path):
     gen = json.loads((smol_path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 2
     # a second call is the cache: no download, no rebuild
+    stamp = (smol_path / "model.safetensors").stat().st_mtime_ns
     t = time.time()
     assert Path(models.resolve_model("smollm2-135m")) == smol_path
-    assert time.time() - t < 1.0
+    assert (smol_path / "model.safetensors").stat().st_mtime_ns == stamp and time.time() - t < 10.0  # de-quantizing takes longer
 
 
 def test_saved_weights_are_the_gguf_models(smol_path, tmp_path):
@@ -81,4 +82,4 @@ def test_run_fails_before_any_cluster_starts(tmp_path, monkeypatch):
     t = time.time()
     with pytest.raises(models.ModelNotFoundError, match="/nonexistent/model"):
         loop.run(cfg, progress=False)
-    assert time.time() - t < 2.0
+    assert time.time() - t < 10.0  # no cluster started (connect would fail), nothing loaded

@@ -243,8 +243,9 @@ def test_pathological_input_is_fast(text, lenient):
     assert len(text) <= MAX_CHARS
     t0 = time.perf_counter()
     r = gsm8k_reward(text, 5, lenient=lenient)
-    # Linear parsing takes milliseconds here; a backtracking one takes minutes. The bound leaves room for slow CI.
-    assert time.perf_counter() - t0 < 1.0
+    # Linear parsing takes milliseconds here; a backtracking one takes minutes. The bound leaves room for a
+    # loaded machine (a garbage collection with torch loaded takes ~0.3 s).
+    assert time.perf_counter() - t0 < 5.0
     assert r.score == 0.0 and r.reason
 
 

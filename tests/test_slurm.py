@@ -115,9 +115,11 @@ def test_workers_are_slurm_jobs_of_two_kinds(client):
     jobs = _jobs(client)
     assert sorted(jobs) == ["rollout-0", "trainer-0"] and all(jobs.values())
     assert len(set(jobs.values())) == 2  # two jobs, one scheduler
-    queue = subprocess.run(["squeue", "-h", "-o", "%i %j %T"], capture_output=True, text=True, check=True).stdout
-    running = {line.split()[1]: line.split()[0] for line in queue.splitlines() if line.endswith("RUNNING")}
-    assert running.get("grpo-rollout-0") == jobs["rollout-0"] and running.get("grpo-trainer-0") == jobs["trainer-0"]
+    # asked by job id: a killed earlier run's jobs of the same names may still be in the queue
+    queue = subprocess.run(["squeue", "-h", "-j", ",".join(jobs.values()), "-o", "%i %j %T"], capture_output=True,
+                           text=True, check=True).stdout
+    running = {line.split()[0]: line.split()[1] for line in queue.splitlines() if line.endswith("RUNNING")}
+    assert running == {jobs["rollout-0"]: "grpo-rollout-0", jobs["trainer-0"]: "grpo-trainer-0"}
     assert cl.workers_with(client, cl.ROLLOUT) and cl.workers_with(client, cl.TRAINER)
     addrs = cl.worker_resources(client)
     assert addrs and all(a.startswith("tcp://127.0.0.1:") for a in addrs) and client.scheduler.address.startswith("tcp://127.0.0.1:")

@@ -88,10 +88,10 @@ def test_columns_reach_the_reward_aligned_with_completions():
     ],
 )
 def test_a_bad_reward_scores_zero_with_a_reason_and_the_others_still_count(bad, why):
-    sc = Scorer([_const(1.0), bad], [1.0, 1.0], ["good", "bad"], timeout_s=1.0)
+    sc = Scorer([_const(1.0), bad], [1.0, 1.0], ["good", "bad"], timeout_s=5.0)  # 1 s flaked for the good one
     t0 = time.time()
     out = sc.score_problems(_problems(2), ["x", "y"])
-    assert time.time() - t0 < 5
+    assert time.time() - t0 < 20
     first = out[0]
     assert first.reward == 1.0 and first.components["bad"] is None
     assert first.errors == 1 and why in first.reason, first.reason
