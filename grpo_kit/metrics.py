@@ -30,7 +30,9 @@ class Batch:
     iteration: int
     """The iteration it belongs to."""
     rollout_version: int
-    """The adapter version it was submitted for generation with."""
+    """The oldest adapter version the batch's rollouts were sampled from: the version it was submitted
+    with, unless a chunk took a newer one when it started (``staleness_policy="discard"``) or dynamic
+    sampling's extra rounds sampled at a later version."""
     results: list[dict]
     """Every chunk's summary (``remote.summary_task``), all dynamic-sampling rounds included."""
     rollouts: list[RolloutSummary]

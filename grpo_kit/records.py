@@ -148,7 +148,9 @@ class MetricsRecord(TypedDict, total=False):
     version: int
     """The trainer's adapter version after this iteration's step (published as ``v<version>``)."""
     rollout_version: int
-    """The adapter version the batch was submitted for generation with."""
+    """The oldest adapter version the batch's rollouts were sampled from: the version it was submitted
+    with, unless a chunk took a newer one when it started (``staleness_policy="discard"``) or dynamic
+    sampling's extra rounds sampled at a later version."""
     recovered: bool
     """Rebuilt on resume from the adapter's manifest (the driver died before writing it): trainer
     statistics only, no rewards or timings."""

@@ -694,3 +694,18 @@ def _check_conversational_run(task, res, rows, run_dir):
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["extra"] == {"marked": "####" in s["completion"]} for s in samples)
     # the report renders these records and samples: tests/test_report.py
+
+
+def test_a_format_bonus_the_task_does_not_take_is_warned_of():
+    """Review finding: reward.format_bonus and lenient_credit reach the #### reward of the synthetic,
+    gsm8k and calculator tasks only; for another task they were accepted and silently ignored."""
+    import warnings as w
+
+    from grpo_kit import config, tasks
+
+    with pytest.warns(UserWarning, match="reward.format_bonus and reward.lenient_credit .* task 'guess_number'"):
+        tasks.for_config(config.profile("smol", task="guess_number"))
+    with w.catch_warnings():
+        w.simplefilter("error")
+        tasks.for_config(config.profile("smol"))  # the synthetic task takes both
+        tasks.for_config(config.profile("tiny", task="guess_number"))  # neither set

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 
 from .base import RewardFn, RewardLog, Score, Scorer, Task, TrainingProgress, problem_columns, reward_name, text_of
 from .rows import from_rows
@@ -90,12 +91,20 @@ def for_config(cfg, task: Task | None = None) -> Task:
     """The run's task: ``task`` if given, else the one ``cfg.data.task`` names (built with the
     options the config supplies, then ``cfg.data.task_options``), plus ``cfg.reward.reward_functions``
     and ``cfg.reward.reward_weights``."""
+    r = cfg.reward
     if task is None:
         name = cfg.data.task_name
-        task = resolve(name, **{**_config_options(name, cfg), **cfg.data.task_options})
+        options = {**_config_options(name, cfg), **cfg.data.task_options}
+        task = resolve(name, **options)
     elif cfg.data.task_options:
         raise ValueError("task_options apply to a task named in the config, not to a Task object passed in")
-    r = cfg.reward
+    else:
+        options = {}
+    ignored = [k for k in ("format_bonus", "lenient_credit") if getattr(r, k) and k not in options]
+    if ignored:  # a profile's bonus meant for the #### reward does not reach another task's reward
+        warnings.warn(f"reward.{' and reward.'.join(ignored)} apply to the synthetic, gsm8k and calculator tasks' "
+                      f"#### reward only; task {task.name!r} does not take them (its rewards are its own)",
+                      UserWarning, stacklevel=2)
     extra = [load_callable(f) for f in r.reward_functions]
     weights = list(task.weights) if task.weights is not None else [1.0] * len(task.rewards)
     weights += [1.0] * len(extra)
