@@ -345,7 +345,8 @@ class EpisodeRunner:
     def start(self, p: data.Problem, ep: Episode) -> Live:
         env = self.factory() if self.factory is not None else None
         env_tools = environment_tools(env) if env is not None else []
-        box = ToolBox(self.tools + env_tools, timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls)
+        box = ToolBox(self.tools + env_tools, timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls,
+                      stateful=[fn.__name__ for fn in env_tools])
         live = Live(ep, env, box, box.schemas(), env_tools=frozenset(fn.__name__ for fn in env_tools))
         ep.messages = self.fmt.messages(prompt_of(p))  # a conversational prompt as it is
         ep.prompt_messages = len(ep.messages)

@@ -33,7 +33,7 @@ import inspect
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -232,7 +232,11 @@ def error_text(message: str) -> str:
 class ToolBox:
     """Named tools and how to call them safely (see the module docstring)."""
 
-    def __init__(self, tools: Sequence[Callable], *, timeout_s: float = 10.0, max_calls: int = 8) -> None:
+    def __init__(self, tools: Sequence[Callable], *, timeout_s: float = 10.0, max_calls: int = 8,
+                 stateful: Collection[str] = ()) -> None:
+        self.stateful = frozenset(stateful)
+        """Names of tools whose timeout ends the turn's calls (an environment's methods: the abandoned
+        thread may still be changing the state the next call would read)."""
         self.tools = {}
         for fn in tools:
             name = getattr(fn, "__name__", None)
@@ -279,7 +283,13 @@ class ToolBox:
 
     def call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One turn's calls, in order (an environment's state may depend on the order); calls past
-        ``max_calls`` are answered with an error without running."""
-        out = [self.call(c) for c in calls[: self.max_calls]]
+        ``max_calls``, and those after a :attr:`stateful` tool timed out, are answered with an error
+        without running."""
+        out: list[ToolResult] = []
+        for c in calls[: self.max_calls]:
+            stuck = next((r.name for r in out if r.error == "timeout" and r.name in self.stateful), None)
+            out.append(self.call(c) if stuck is None else ToolResult(
+                c.name or "unknown", error_text(f"not run: {stuck} timed out before it and may still be changing the "
+                                                "environment"), "timeout"))
         return out + [ToolResult(c.name or "unknown", error_text(f"more than {self.max_calls} tool calls in one turn"),
                                  "too_many_calls") for c in calls[self.max_calls:]]

@@ -167,6 +167,17 @@ def test_a_tool_past_its_time_limit_is_answered_without_waiting_for_it():
     assert "slow finished" not in SIDE_EFFECTS
 
 
+def test_calls_after_an_environment_tool_timed_out_are_not_run():
+    """Review finding: the turn's later calls ran on an environment whose abandoned thread may still be
+    changing it (four calls, 1.2 s, three threads left); a stateless tool's timeout stops nothing."""
+    box = ToolBox([slow, add], timeout_s=0.3, stateful=["slow"])
+    out = box.call_all([ToolCall("slow", args=(3.0,)), ToolCall("add", args=(1, 2)), ToolCall("slow", args=(3.0,))])
+    assert [r.error for r in out] == ["timeout"] * 3 and all("not run: slow timed out" in r.content for r in out[1:])
+    assert sum(r.seconds for r in out) < 2.0  # one call waited, the others never started
+    out = ToolBox([slow, add], timeout_s=0.3).call_all([ToolCall("slow", args=(3.0,)), ToolCall("add", args=(1, 2))])
+    assert [r.content for r in out][1] == "3"
+
+
 def test_calls_past_the_per_turn_limit_are_not_run():
     calls = [ToolCall("add", kwargs={"a": i, "b": 0}) for i in range(5)]
     out = BOX.call_all(calls)
