@@ -23,7 +23,7 @@ ADV_SCALES = ("group", "batch", "none")
 ENGINES = ("vllm", "hf")
 LORA_MODES = ("auto", "request", "merged")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-CHAT_TEMPLATE_MODES = ("auto", "always", "never")
+CHAT_TEMPLATE_MODES = ("auto", "always", "never", "raw")
 TUPLE_FIELDS = ("lora_targets", "stop", "reward_functions", "reward_weights", "report_to")
 STALENESS_POLICIES = ("pace", "discard")
 MIN_TEMPERATURE = 0.01
@@ -204,7 +204,9 @@ class PromptConfig:
     """System message for chat templates; None keeps the template's own default."""
     chat_template: str = "auto"
     """``"auto"``: the tokenizer's chat template when it has one (the tiny model has none, and gets
-    the plain ``Question: ... Answer:`` prompt); ``"always"`` requires one; ``"never"`` uses the plain prompt."""
+    the plain ``Question: ... Answer:`` prompt); ``"always"`` requires one; ``"never"`` uses the plain
+    prompt; ``"raw"``: as TRL does, a text prompt is tokenized as it is (the tokenizer's own special
+    tokens; no template, instruction or system prompt) and a conversation as with ``"auto"``."""
 
     def __post_init__(self) -> None:
         _typed(self)

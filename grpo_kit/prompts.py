@@ -16,6 +16,9 @@ token ids) scores exactly the prompt that was sampled from.
   of that question (the instruction after the last one only), a system message's text as a line
   before it, an assistant message's text as a line after its ``Answer:``, a tool message as
   ``Result: ...``. A conversation of one user message renders exactly as the text prompt of that question.
+- Raw text (``chat_template="raw"``, TRL's standard format as TRL sends it): a text prompt is
+  tokenized as it is, with the tokenizer's own special tokens and nothing added (no template,
+  instruction or system prompt); a conversation renders as with ``"auto"``.
 - Stops: a completion ends at the model's EOS (kept as its last token, with its log-prob) or at the
   first configured stop string. For a stop string the completion keeps the tokens up to and
   including the one that completes it (their sampling log-probs unchanged: the cut only drops
@@ -41,7 +44,7 @@ class PromptFormat:
     """System message for chat templates; None keeps the template's default."""
     chat_template: str = "auto"
     """``"auto"`` uses the tokenizer's chat template when it has one; ``"always"`` requires one;
-    ``"never"`` uses the plain template."""
+    ``"never"`` uses the plain template; ``"raw"`` sends a text prompt as it is (module docstring)."""
 
     def __post_init__(self) -> None:
         if self.chat_template not in CHAT_TEMPLATE_MODES:
@@ -87,8 +90,14 @@ class PromptFormat:
                 out.append(f"{text}\n")
         return "".join(out)
 
+    def raw(self, prompt: str | Sequence[dict]) -> bool:
+        """Whether ``prompt`` is sent as it is (a text prompt under ``chat_template="raw"``)."""
+        return self.chat_template == "raw" and isinstance(prompt, str)
+
     def render(self, tokenizer, prompt: str | Sequence[dict]) -> str:
         """The prompt as text: a question (text) or a conversation (messages)."""
+        if self.raw(prompt):
+            return prompt
         if self.uses_chat(tokenizer):
             return tokenizer.apply_chat_template(self.messages(prompt), add_generation_prompt=True, tokenize=False)
         return data.format_prompt(prompt, self.instruction) if isinstance(prompt, str) else self.plain(prompt)
@@ -98,7 +107,7 @@ class PromptFormat:
         included, where the template writes one); the plain text gets the tokenizer's own (a Llama,
         Gemma or Mistral base model's BOS), as TRL tokenizes a plain prompt (``processing_class(text=...)``)."""
         text = self.render(tokenizer, prompt)
-        return list(tokenizer.encode(text, add_special_tokens=not self.uses_chat(tokenizer)))
+        return list(tokenizer.encode(text, add_special_tokens=self.raw(prompt) or not self.uses_chat(tokenizer)))
 
 
 def prompt_of(p: data.Problem) -> str | list[dict]:

@@ -182,3 +182,20 @@ def test_a_plain_prompt_gets_the_tokenizers_bos_as_trl_gives_it():
     ids = fmt.encode(tok, "What is 2 + 2?")
     assert ids == tok(fmt.render(tok, "What is 2 + 2?"))["input_ids"] and ids[0] == tok.bos_token_id
     assert PlainRenderer(tok).encode_prompt("Question: What is 2 + 2?")[0] == tok.bos_token_id
+
+
+def test_raw_text_prompts_are_tokenized_as_trl_tokenizes_them(tiny_tok, smol_tok):
+    """Review finding: TRL sends a text prompt (its standard format) as it is, through
+    ``processing_class(text=...)``; no kit mode did (the chat template wrapped it, with SmolLM2's
+    default system message, or the plain format did). ``chat_template="raw"`` does; a conversation
+    still renders with the chat template, as TRL renders it."""
+    raw = PromptFormat(instruction="", chat_template="raw")
+    for tok in (tiny_tok, smol_tok):
+        for text in ("Solve: 2+2=", "  leading and trailing spaces kept \n", "Question: 1 + 2\nAnswer:\n"):
+            assert raw.encode(tok, text) == tok(text)["input_ids"]
+            assert raw.render(tok, text) == text
+    conv = [{"role": "user", "content": "What is 2 + 2?"}]
+    assert raw.encode(smol_tok, conv) == PromptFormat(instruction="").encode(smol_tok, conv)
+    from grpo_kit.config import profile
+
+    assert profile("smol", chat_template="raw").prompt.chat_template == "raw"

@@ -2,7 +2,8 @@
 file or a hub id, with TRL-style reward functions. A TRL dataset needs no mapping: its ``prompt``
 column holds text (TRL's standard format) or a conversation (its conversational format: a list of
 ``{"role", "content"}`` messages, a system message included), and every other column reaches the
-rewards by name. Other rows name their question and gold columns (``question=``, ``gold=``)."""
+rewards by name. A text prompt is sent as TRL sends it (as it is) under ``chat_template="raw"``;
+the default ``"auto"`` puts it in the model's chat template (:mod:`grpo_kit.prompts`). Other rows name their question and gold columns (``question=``, ``gold=``)."""
 
 from __future__ import annotations
 
