@@ -387,6 +387,9 @@ def test_from_rows_maps_columns_and_names_a_missing_one(tmp_path):
     assert {p.question for p in train}.isdisjoint({p.question for p in held})
     with pytest.raises(KeyError, match="no column 'answer'.*'level', 'prompt', 'target'"):
         tasks.from_rows(rows, _const(1.0), question="prompt", gold="answer")
+    # a column named gold beside gold= naming another: its values would silently not reach the rewards as gold
+    with pytest.raises(ValueError, match="gold='target' names the gold answers, but the rows also have a column named 'gold'"):
+        tasks.from_rows([{**r, "gold": "verified"} for r in rows], _const(1.0), gold="target").load("train", 5)
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     from_file = tasks.from_rows(str(path), _const(1.0), question="prompt", gold="target", name="rhyme", heldout_fraction=0.25)

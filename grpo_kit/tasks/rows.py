@@ -143,6 +143,9 @@ def _problems(rows: list[dict], name: str, split: str, question: str | None, gol
         question = "prompt" if "prompt" in have else "question"
     if gold is None and "gold" in have:
         gold = "gold"
+    if gold not in (None, "gold") and "gold" in have:  # the rewards' ``gold`` argument is the named column's text
+        raise ValueError(f"task {name!r} ({split} rows): gold={gold!r} names the gold answers, but the rows also have "
+                         "a column named 'gold', which would not reach the rewards under that name; rename one")
     need = [c for c in (question, gold, *(columns or ())) if c is not None]
     missing = [c for c in need if c not in have]
     if missing:
