@@ -172,7 +172,9 @@ def check_packing(model: nn.Module) -> None:
     :data:`PACKING_TOLERANCE` or more is a leak; a padding-versus-packing rounding difference, which
     bfloat16 makes large, does not enter this comparison)."""
     base = _base_module(model)
-    cls = type(base)
+    # the architecture under a PEFT wrapper (its class is PeftModelForCausalLM for every model: keyed
+    # on it, the first model checked answered for every later one in the process)
+    cls = type(base.get_base_model() if hasattr(base, "get_base_model") else base)
     if cls not in _LEAK:
         vocab = int(getattr(getattr(base, "config", None), "vocab_size", 0) or 0)
         gen = torch.Generator().manual_seed(0)
@@ -181,9 +183,14 @@ def check_packing(model: nn.Module) -> None:
         mask = torch.ones_like(ids[:2])
         scored = torch.zeros_like(ids[:2])
         scored[:, 2:] = 1
-        with torch.no_grad():
-            a = packed_logprobs(base, ids[[0, 2]], mask, scored)[1]  # the third sequence after the first
-            b = packed_logprobs(base, ids[[1, 2]], mask, scored)[1]  # ... and after the second
+        was_training = base.training
+        base.eval()  # in train mode LoRA dropout would draw two masks, read as a leak
+        try:
+            with torch.no_grad():
+                a = packed_logprobs(base, ids[[0, 2]], mask, scored)[1]  # the third sequence after the first
+                b = packed_logprobs(base, ids[[1, 2]], mask, scored)[1]  # ... and after the second
+        finally:
+            base.train(was_training)
         _LEAK[cls] = float((a - b).abs().max())
     if _LEAK[cls] >= PACKING_TOLERANCE:
         raise ValueError(f"packing=True is not exact for {cls.__name__}: a packed sequence's log-probs moved by "

@@ -234,7 +234,7 @@ class MetricsRecord(TypedDict, total=False):
     """Why the batch looks sampled from the base model rather than the version it claims
     (:func:`grpo_kit.metrics.wrong_policy`), or None; the driver warns once per run of such iterations."""
     grad_norm: float | None
-    """Gradient norm before clipping."""
+    """Gradient norm before clipping; inf or NaN: the optimizer step was skipped (the adapter is unchanged)."""
     tokens: int | None
     """Completion tokens trained on."""
     samples_nonzero_adv: int | None

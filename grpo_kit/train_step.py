@@ -46,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -60,6 +62,8 @@ from grpo_kit.config import LossConfig, OptimConfig
 from grpo_kit.logprobs import attention_window, shared_prompt_logprobs, token_logprobs
 from grpo_kit.loss import LossStats, Normalizer, mismatch_sums
 from grpo_kit.packing import balanced_shard_sizes, check_packing, micro_batch_bounds, packed_costs, packed_logprobs
+
+log = logging.getLogger(__name__)
 
 
 class Sample(NamedTuple):
@@ -326,7 +330,11 @@ def grpo_step(
             p.grad = torch.zeros_like(p)
     max_norm = optim_cfg.max_grad_norm if optim_cfg.max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    optimizer.step()
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:  # clipping an inf gradient makes it NaN, and the step would write NaN into the adapter: skipped
+        # (every rank sees the same reduced gradients, so all skip); the record's grad_norm says so
+        log.warning("non-finite gradient norm (%s): the optimizer step is skipped", grad_norm)
     optimizer.zero_grad(set_to_none=True)
 
     sums, maxes = stats.pack()

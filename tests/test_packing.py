@@ -153,3 +153,27 @@ def test_packing_is_refused_for_a_model_whose_attention_crosses_packed_sequences
     grpo_step(falcon, torch.optim.SGD(falcon.parameters(), lr=1e-3), batch, LossConfig(kl_beta=0.0),
               OptimConfig(packing=False, share_prompt=False))  # padded: fine
     check_packing(tiny_model())  # Qwen3: no leak
+
+
+def test_the_packing_check_is_per_architecture_under_peft_and_ignores_lora_dropout():
+    """Review findings: the check was cached per ``type(model)``, which under PEFT is
+    PeftModelForCausalLM for every architecture: once a Qwen3 passed, a PEFT Falcon in the same
+    process (a reused trainer worker, a sweep) was accepted; and it probed in train mode, where LoRA
+    dropout drew two masks and refused a trained adapter that packs exactly."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from grpo_kit.packing import check_packing
+
+    torch.manual_seed(0)
+    qwen = get_peft_model(tiny_model(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.5, target_modules=["q_proj", "v_proj"],
+                                                   task_type="CAUSAL_LM", init_lora_weights=False))  # B != 0: trained
+    qwen.train()
+    check_packing(qwen)  # dropout on, a trained adapter: no false leak
+    assert qwen.training  # the mode it came in
+    falcon = get_peft_model(
+        FalconForCausalLM(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                       new_decoder_architecture=False, alibi=False)),
+        LoraConfig(r=4, target_modules=["query_key_value"], task_type="CAUSAL_LM"))
+    with pytest.raises(ValueError, match="packing=True is not exact for FalconForCausalLM"):
+        check_packing(falcon)

@@ -901,3 +901,17 @@ def test_step_without_trained_tokens_reports_no_mismatch():
     model = tiny_model()
     stats = grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), OptimConfig())
     assert stats["mismatch_kl"] is None and stats["mismatch_far_frac"] is None and stats["sampled_nll"] is None
+
+
+def test_a_non_finite_gradient_skips_the_step_instead_of_writing_nan():
+    """Review finding: an inf gradient (the KL term past ~88 nats in float32, an fp16 overflow) went
+    through clipping as NaN and the optimizer wrote NaN into the adapter, which was then published."""
+    model = tiny_model()
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
+    stats = grpo_step(model, torch.optim.AdamW(params, lr=1e-2), make_batch(4, seed=3), LossConfig(kl_beta=0.0),
+                      OptimConfig(micro_batch=2))
+    assert not math.isfinite(stats["grad_norm"])
+    assert all(torch.equal(a, p) for a, p in zip(before, params, strict=True))  # unchanged, no NaN
+    assert all(p.grad is None for p in params)  # and nothing carried into the next step
