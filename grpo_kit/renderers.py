@@ -184,10 +184,11 @@ class PlainRenderer:
     """The plain format for a model without a chat template (module docstring)."""
 
     format = "plain"
-    stop = (PLAIN_STOP,)
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, *, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stop = (PLAIN_STOP, *(s for s in stop if s != PLAIN_STOP))
+        """Stop strings that end a turn: the plain call's closing tag, then the run's own (``sampling.stop``)."""
 
     def prompt(self, messages: list[dict], schemas: Sequence[dict]) -> str:
         lines = [f"Tool: {s['function']['name']}({', '.join(s['function']['parameters'].get('properties', {}))})"
@@ -213,8 +214,8 @@ class PlainRenderer:
 
 
 def for_engine(engine) -> Renderer:
-    """The renderer of an engine's prompts: :class:`ChatRenderer` (with the engine's stop strings)
-    where its prompt format uses the chat template, else :class:`PlainRenderer`."""
+    """The renderer of an engine's prompts: :class:`ChatRenderer` where its prompt format uses the
+    chat template, else :class:`PlainRenderer`; either with the engine's stop strings (``sampling.stop``)."""
     if engine.prompt_format.uses_chat(engine.tokenizer):
         return ChatRenderer(engine.tokenizer, stop=getattr(engine, "stop", ()))
-    return PlainRenderer(engine.tokenizer)
+    return PlainRenderer(engine.tokenizer, stop=getattr(engine, "stop", ()))

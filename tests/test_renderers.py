@@ -76,3 +76,15 @@ def test_plain_environment_segment(tok):
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<call>f()</call>"},
             {"role": "tool", "name": "f", "content": "1"}, {"role": "tool", "name": "f", "content": "2"}]
     assert PlainRenderer(tok).extend(msgs, "anything", []) == "\nResult: 1\n\nResult: 2\n"
+
+
+def test_both_renderers_take_the_runs_stop_strings():
+    """Review finding: a model without a chat template got the plain renderer with only the call's
+    closing tag, so ``sampling.stop`` did not end its turns in multi-turn episodes."""
+    from types import SimpleNamespace
+
+    from grpo_kit.renderers import PLAIN_STOP, for_engine
+
+    engine = SimpleNamespace(tokenizer=None, stop=("\n\n", PLAIN_STOP), prompt_format=PromptFormat(chat_template="never"))
+    assert for_engine(engine).stop == (PLAIN_STOP, "\n\n")
+    assert PlainRenderer(None).stop == (PLAIN_STOP,)
