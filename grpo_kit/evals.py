@@ -102,7 +102,6 @@ class Evaluations:
                 self.pending.remove((it, fut))
         return done
 
-
     def fail(self, it: int, fut, e: Exception) -> None:
         """Record and warn of a failed evaluation and drop it: raised out of :meth:`collect`, it aborted
         the run before the step just trained was committed, and a resumed run submitted it again first

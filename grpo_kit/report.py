@@ -77,9 +77,7 @@ def final_numbers(records: Sequence[Record]) -> dict[str, Any]:
         return ys[-1] if ys else None
 
     def lenient(name: str, key: str) -> dict[str, Any]:  # runs from before lenient grading have no such key
-        if not any(key in r for r in records):
-            return {}
-        return {name: newest(key) if key in EVAL_FIELDS else last_number(records, key)}
+        return {name: newest(key)} if any(key in r for r in records) else {}
 
     def sampled() -> dict[str, Any]:  # a run with eval_samples = k (grpo_kit.passk); a greedy-only run has none
         if not any("eval_pass_at_k" in r for r in records):

@@ -135,21 +135,23 @@ class HermesParser:
         return calls
 
 
-def _argument_problem(call: ast.Call) -> str | None:
-    """Why a plain call's arguments are not literals, in words that depend on the text only (never an
-    object's address, so a retried episode reads the same answer), or None."""
+def _literal_arguments(call: ast.Call) -> tuple[tuple, dict] | str:
+    """``(args, kwargs)`` of a plain call whose arguments are all literals, else why not, in words
+    that depend on the text only (never an object's address, as ``ast``'s own messages name one: a
+    retried episode must read the same answer)."""
     if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
         return "no * or ** arguments"
     names = [k.arg for k in call.keywords]
     if len(set(names)) < len(names):
         return f"keyword {next(n for n in names if names.count(n) > 1)!r} given twice"
+    values = []
     for what, node in [*((f"argument {i + 1}", a) for i, a in enumerate(call.args)),
                        *((f"argument {k.arg!r}", k.value) for k in call.keywords)]:
         try:
-            ast.literal_eval(node)
+            values.append(ast.literal_eval(node))
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return f"{what} is an expression ({type(node).__name__}), not a literal"
-    return None
+    return tuple(values[: len(call.args)]), dict(zip(names, values[len(call.args):], strict=True))
 
 
 class PlainParser:
@@ -171,16 +173,11 @@ class PlainParser:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
                 calls.append(ToolCall(None, error="expected name(arg, key=value, ...)"))
                 continue
-            problem = _argument_problem(node)
-            if problem is None:
-                try:
-                    args = tuple(ast.literal_eval(a) for a in node.args)
-                    kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-                except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as e:
-                    problem = type(e).__name__  # the message may name an object's address (not reproducible)
-            if problem is not None:
-                calls.append(ToolCall(node.func.id, error=f"arguments must be literals ({problem})"))
+            got = _literal_arguments(node)
+            if isinstance(got, str):
+                calls.append(ToolCall(node.func.id, error=f"arguments must be literals ({got})"))
                 continue
+            args, kwargs = got
             calls.append(ToolCall(node.func.id, args=args, kwargs=kwargs))
         return calls
 
