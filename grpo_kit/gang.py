@@ -62,7 +62,8 @@ def wait_first_error(futures, timeout: float, alive=None):
         if left <= 0:
             return set(futures) - pending, TimeoutError(f"not finished within {timeout:.0f}s")
         try:
-            done, pending = wait(list(pending), timeout=min(left, 1.0), return_when="FIRST_COMPLETED")
+            with next(iter(pending)).client.as_current():  # the futures' client, default or not (wait looks one up)
+                done, pending = wait(list(pending), timeout=min(left, 1.0), return_when="FIRST_COMPLETED")
         except TimeoutError:
             if alive is not None and not alive():
                 return set(futures) - pending, RuntimeError("a trainer worker of the gang left the cluster")

@@ -184,7 +184,8 @@ def run_preflight(client, workers: list[str] | None = None, sizes=DEFAULT_SIZES,
         running = [f for f, w in zip(futures, workers, strict=True) if f not in done and w in live]
         if running:
             try:
-                wait(running, timeout=STUCK_GRACE_S)
+                with client.as_current():  # wait looks a client up: this one, default or not
+                    wait(running, timeout=STUCK_GRACE_S)
             except TimeoutError:
                 pass
         stuck = [w for f, w in zip(futures, workers, strict=True) if f in running and f.status == "pending"]

@@ -262,7 +262,8 @@ def gather_pinned(client: Client, parts: dict[str, tuple[str, Future]], poll_s: 
     out, pending = {}, dict(parts)
     while pending:
         try:
-            wait([f for _, f in pending.values()], timeout=poll_s, return_when="FIRST_COMPLETED")
+            with client.as_current():  # wait looks a client up: this one, default or not
+                wait([f for _, f in pending.values()], timeout=poll_s, return_when="FIRST_COMPLETED")
         except TimeoutError:
             pass
         present = set(worker_resources(client)) if pending else set()  # the scheduler's, not the client's cached view

@@ -52,6 +52,27 @@ def test_gather_pinned_raises_a_failed_tasks_error(client):
         raise AssertionError("gather_pinned returned past a failed task")
 
 
+def test_waits_use_the_runs_client_when_it_is_not_the_default(client):
+    """Review finding: gather_pinned and the gang's wait called distributed.wait, which looks up the
+    default client: a run given ``Client(..., set_as_default=False)`` in a process with no other
+    client failed with "No clients found". Checked in a fresh process, where no default exists."""
+    import subprocess
+    import sys
+
+    code = f"""
+from distributed import Client
+from grpo_kit import cluster as cl, gang, remote
+other = Client({client.scheduler.address!r}, set_as_default=False)
+[trainer] = cl.workers_with(other, cl.TRAINER)
+ok = other.submit(sum, [1, 2], workers=[trainer], allow_other_workers=False, pure=False)
+print(remote.gather_pinned(other, {{"ok": (trainer, ok)}}), gang.wait_first_error([ok], timeout=30)[1])
+other.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "{'ok': 3} None"
+
+
 def test_reward_task_passes_each_rollouts_completion_ids_to_the_rewards(monkeypatch):
     """In process, no cluster: the rewards get the rollouts' sampled token ids as TRL's
     ``completion_ids``, row by row (a length reward reads them)."""
