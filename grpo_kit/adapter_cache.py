@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 
 READ_CHUNK = 1 << 20
 """Bytes read at a time when hashing a file."""
@@ -116,15 +117,50 @@ def process_cache_dir() -> str:
     child gets its own on first use, and never removes its parent's). Removed by ``atexit`` and by a
     multiprocessing finalizer: a Dask worker started by forkserver or spawn ends in ``os._exit``,
     which skips ``atexit`` but not multiprocessing's own exit handlers (with ``atexit`` alone every
-    worker left its cache behind: 800 directories, 2.9 GB in /tmp after two days of this suite)."""
+    worker left its cache behind: 800 directories, 2.9 GB in /tmp after two days of this suite). A
+    killed process (SIGKILL: a preempted or killed worker) runs no handler at all, so a new cache
+    first removes those whose process is gone (:func:`remove_orphans`)."""
     global _process_cache
     with _process_cache_lock:
         if _process_cache is None or _process_cache[0] != os.getpid():
+            remove_orphans()
             path = tempfile.mkdtemp(prefix=f"grpo-adapters-{os.getpid()}-")
             atexit.register(_remove_own_dir, os.getpid(), path)
             multiprocessing.util.Finalize(None, _remove_own_dir, args=(os.getpid(), path), exitpriority=0)
             _process_cache = (os.getpid(), path)
         return _process_cache[1]
+
+
+ORPHAN_AGE_S = 60.0
+"""A cache directory is removed as an orphan only once it is this old (and its process is gone)."""
+
+
+def remove_orphans(root: str | None = None) -> list[str]:
+    """Remove the cache directories (``grpo-adapters-<pid>-*`` under ``root``, default the temp
+    directory) of processes that no longer exist, at least :data:`ORPHAN_AGE_S` old; returns them."""
+    import glob
+
+    removed = []
+    for path in glob.glob(os.path.join(root or tempfile.gettempdir(), "grpo-adapters-*-*")):
+        pid = os.path.basename(path).split("-")[2]
+        try:
+            if not pid.isdigit() or _alive(int(pid)) or time.time() - os.stat(path).st_mtime < ORPHAN_AGE_S:
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _remove_own_dir(pid: int, path: str) -> None:

@@ -118,3 +118,26 @@ def test_process_cache_dir_is_per_process_and_a_child_removes_its_own():
     p.join(60)
     assert p.exitcode == 0 and theirs != mine
     assert os.path.isdir(mine) and not os.path.exists(theirs)
+
+
+def test_a_killed_processs_cache_is_removed_once_its_process_is_gone(tmp_path):
+    """A SIGKILLed worker (preempted, or killed by these tests) runs no exit handler; its directory
+    is removed by a later cache, once its process is gone and it is old enough, never before."""
+    from grpo_kit import adapter_cache
+
+    ctx = mp.get_context("fork")
+    p = ctx.Process(target=time.sleep, args=(60,))
+    p.start()
+    dead, alive, young = (tmp_path / f"grpo-adapters-{p.pid}-x", tmp_path / f"grpo-adapters-{os.getpid()}-y",
+                          tmp_path / "grpo-adapters-999999999-z")
+    for d in (dead, alive, young):
+        d.mkdir()
+        (d / "adapter_model.safetensors").write_bytes(b"x")
+    old = time.time() - 2 * adapter_cache.ORPHAN_AGE_S
+    for d in (dead, alive):
+        os.utime(d, (old, old))
+    assert adapter_cache.remove_orphans(str(tmp_path)) == []  # its process is still there
+    p.kill()
+    p.join(30)
+    assert adapter_cache.remove_orphans(str(tmp_path)) == [str(dead)]
+    assert not dead.exists() and alive.exists() and young.exists()  # a live process's, and one too new
