@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import glob
 import hashlib
 import multiprocessing.util
 import os
@@ -138,8 +139,6 @@ ORPHAN_AGE_S = 60.0
 def remove_orphans(root: str | None = None) -> list[str]:
     """Remove the cache directories (``grpo-adapters-<pid>-*`` under ``root``, default the temp
     directory) of processes that no longer exist, at least :data:`ORPHAN_AGE_S` old; returns them."""
-    import glob
-
     removed = []
     for path in glob.glob(os.path.join(root or tempfile.gettempdir(), "grpo-adapters-*-*")):
         pid = os.path.basename(path).split("-")[2]
