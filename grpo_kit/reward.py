@@ -63,10 +63,14 @@ _FREE_NUMBER_RE = re.compile(r"(?<![\w.,/^])" + _NUMBER)
 # What may not follow a number: an exponent, digits glued to letters (0x1F, 12km2) or non-ASCII digits,
 # a fraction bar, a power, a second decimal point, a comma glued to a digit (1,2,3, 0,5, 1,234,5: not
 # thousands). Matched on a short window, so it is O(1) per number.
-_BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^\u2044\u2215]\s*\d|\^|[.,\u066b\u066c\u00b7\uff0e\uff0c]\d"
-                          r"|\s+\d+\s*[/\u2044\u2215]\s*\d")
+ARABIC_MARKS = "\u066b\u066c"
+"""Arabic decimal and thousands separators (``18٫5``): another script's number punctuation."""
+_BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^\u2044\u2215]\s*\d|\^|[.,\u00b7\uff0e\uff0c" + ARABIC_MARKS
+                          + r"]\d|\s+\d+\s*[/\u2044\u2215]\s*\d")
 # ...nor a character that is itself a number (a vulgar fraction, a superscript power: 18½, 18²)
-_NUMERIC_CATEGORIES = ("Nd", "Nl", "No")
+NUMBER_CHARACTERS = ("Nl", "No")
+"""Unicode categories of characters that are numbers but not decimal digits (``½``, ``²``, ``Ⅻ``)."""
+_NUMERIC_CATEGORIES = ("Nd", *NUMBER_CHARACTERS)
 _TAIL_WINDOW = 32
 # A number's digit run with commas in it, and the same run when its commas separate thousands.
 _COMMA_RUN_RE = re.compile(_SIGN + r"(?P<run>[0-9]+(?:,[0-9]+)+)")
@@ -138,6 +142,17 @@ def _parse(text: str, marker: str, lenient: bool) -> tuple[Decimal | None, str]:
     if not _well_ended(text, m.end()):
         return None, f"no {marker!r} answer; malformed last number {text[m.start() : m.end() + 8]!r}"
     return _to_decimal(m), "last"
+
+
+def unreadable_number(answer: str) -> bool:
+    """Whether ``answer`` holds a character that is itself a number (``½``, ``²``) or another script's
+    number punctuation (``18٫5``), which the ``####`` reader rejects after a number: for other
+    readers of the answer (math-verify drops them and would read ``18½`` as 18).
+
+    >>> [unreadable_number(s) for s in ("18½", "18²", "18٫5", "\\frac{37}{2}", "18")]
+    [True, True, True, False, False]
+    """
+    return any(ch in ARABIC_MARKS or unicodedata.category(ch) in NUMBER_CHARACTERS for ch in answer)
 
 
 def stray_commas(answer: str) -> bool:

@@ -33,12 +33,11 @@ import subprocess
 import sys
 import threading
 import time
-import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 
 from .. import data
-from ..reward import MARKER, RewardResult, stray_commas
+from ..reward import MARKER, RewardResult, stray_commas, unreadable_number
 from ..sandbox import readable
 from .base import Task, text_of
 
@@ -182,17 +181,6 @@ def _as_float(v) -> float | None:
 BATCH_TIMEOUT_S = 45.0
 """Default ``batch_timeout_s`` of :func:`math_reward`: checks run one after another (one verifier), so a
 batch of slow answers would otherwise pass the scorer's 60 s bound and score 0 whole."""
-UNREADABLE = "\u066b\u066c"  # Arabic decimal and thousands separators
-
-
-def unreadable_number(answer: str) -> bool:
-    """Whether ``answer`` holds a character that is itself a number (``½``, ``²``) or another script's
-    decimal mark (``18٫5``): math-verify drops these and would read ``18½`` as 18.
-
-    >>> [unreadable_number(s) for s in ("18½", "18²", "18٫5", "\\frac{37}{2}", "18")]
-    [True, True, True, False, False]
-    """
-    return any(ch in UNREADABLE or unicodedata.category(ch) in ("No", "Nl") for ch in answer)
 
 
 def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequence[str], timeout_s: float = 5.0,
