@@ -56,7 +56,7 @@ from typing import Any, Protocol
 from . import data
 from .config import EpisodeConfig
 from .prompts import PromptFormat, prompt_of
-from .renderers import PrefixError, Renderer, continues_after, decode
+from .renderers import PrefixError, Renderer, continues_after, decode, encode_environment
 from .rollout import Continuation, Rollout
 from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
 
@@ -400,13 +400,13 @@ class EpisodeRunner:
         ep.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         try:
             env_text = self.renderer.extend(ep.messages, live.history, live.schemas)
+            ids = encode_environment(self.renderer.tokenizer, env_text, [r.content for r in results])
         except PrefixError:
             raise
         except Exception as e:  # e.g. a template that rejects the messages
             del ep.messages[n:]  # the messages stay those of the stream
             ep.end_reason, ep.error = "error", f"rendering the tool answers raised {type(e).__name__}: {e}"
             return False
-        ids = self.renderer.encode(env_text)
         if len(ep.completion_ids) + len(ids) >= self.cfg.max_episode_tokens or \
                 len(ep.stream) + len(ids) >= self.engine.max_model_len:
             del ep.messages[n:]  # the messages stay those of the stream

@@ -25,11 +25,18 @@ environment segment (:meth:`extend`): the tool messages and the next assistant h
   (``Question: <user message>\\nAnswer:\\n``, i.e. ``data.PROMPT_TEMPLATE``) with a line per tool
   before it; a tool answer is appended as ``"\\nResult: <content>\\n"`` (:data:`PLAIN_RESULT`).
   This format is defined by the stream itself, so there is no template to check against.
+
+A tool's answer is text the policy can steer (a tool that echoes its arguments, a Python tool that
+prints): the environment's ids are made by :func:`encode_environment`, which tokenizes a special
+token's string inside an answer (``<|im_end|>``, ``<eos>``) as its characters, never as the special
+token, so an answer cannot end the tool message early or forge a user or assistant turn in the
+stream; the template's own special tokens stay special.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -92,6 +99,49 @@ def turn_end_text(tokenizer, **template_kwargs) -> str:
 def encode(tokenizer, text: str) -> list[int]:
     """Text to ids the way prompts are tokenized (the rendered text carries its special tokens)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The strings the tokenizer turns into special tokens, longest first."""
+    found = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+             if getattr(t, "special", False)}
+    found.update(getattr(tokenizer, "all_special_tokens", None) or [])
+    return sorted((t for t in found if t), key=len, reverse=True)
+
+
+def encode_environment(tokenizer, text: str, answers: Sequence[str]) -> list[int]:
+    """The ids of an environment segment ``text`` holding the tool ``answers`` (in order, verbatim):
+    as :func:`encode`, except that a special token's string inside an answer is tokenized as its
+    characters (``split_special_tokens``), so an answer cannot forge the template's turn structure.
+    An answer that holds one but is not found verbatim in ``text`` (a template that rewrote it) raises
+    ``ValueError``: which special tokens are the template's could not be told."""
+    specials = special_strings(tokenizer)
+    spans, at = [], 0
+    for a in answers:
+        if not a:
+            continue
+        start = text.find(a, at)
+        if start < 0:
+            if any(s in a for s in specials):
+                raise ValueError(f"a tool answer holds a special token's text ({a[:60]!r}) and the template does not "
+                                 "render it verbatim, so its ids cannot be told from the template's")
+            continue
+        at = start + len(a)
+        if any(s in a for s in specials):
+            spans.append((start, at))
+    if not spans:
+        return encode(tokenizer, text)
+
+    def plain(segment: str) -> list[int]:
+        return list(tokenizer.encode(segment, add_special_tokens=False, split_special_tokens=True)) if segment else []
+
+    ids, pos = [], 0
+    for m in re.finditer("|".join(map(re.escape, specials)), text):
+        if any(s < m.end() and m.start() < e for s, e in spans):  # in (or across the edge of) an answer: text
+            continue
+        ids += plain(text[pos:m.start()]) + [tokenizer.convert_tokens_to_ids(m.group())]
+        pos = m.end()
+    return ids + plain(text[pos:])
 
 
 def decode(tokenizer, ids: Sequence[int]) -> str:
