@@ -33,7 +33,13 @@ def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool) -> 
     dropped, recovered ones added). Without ``resume`` a store that already holds versions is an error."""
     state = load_state(store, run_id) if resume else None
     if state is None and resume and store.latest() is not None:
-        state = fresh_state(run_id)  # died in iteration 0, after the first publish
+        # every run writes its state before it trains, so versions without one are another run's, or
+        # a copy that lost state/: adopting them would delete those reconcile cannot chain from v1
+        # and rewrite the records empty
+        raise FileNotFoundError(
+            f"resume=True, but the adapter store {store.root} holds versions {store.versions()[:5]} and no run "
+            f"state ({RUN_STATE!r} under state/), so what they were trained by cannot be checked. Nothing was "
+            "deleted; restore the store's state/ directory, or use a fresh run_dir / store_url")
     if state is None and resume:
         done = sorted({r["iteration"] for r in read_jsonl(files.metrics, stop_at_bad_line=True) if r.get("iteration", 0) > 0})
         if done:  # a run that died in iteration 0 has nothing past it: these came from a store not found now
@@ -47,7 +53,7 @@ def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool) -> 
                 f"the adapter store {store.root} already holds versions {store.versions()[:5]}...; "
                 "pass resume=True to continue that run, or use a fresh run_dir / store_url"
             )
-        for p in (files.metrics, files.samples, files.rollouts):
+        for p in (files.metrics, files.samples, files.rollouts, files.summary):
             p.unlink(missing_ok=True)
         state = fresh_state(run_id)
     state = reconcile(state, store)
@@ -67,13 +73,13 @@ def save_state(store: AdapterStore, state: dict) -> None:
 
 def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
     """Identifies what a resumed run must share: everything but the length, paths and evaluation
-    settings (cadence, samples, extra sets)."""
+    settings (cadence, samples, size, extra sets) and the retry budget."""
     d = {**cfg.to_dict(), "task": task.describe()}
     d["run"] = {k: v for k, v in d["run"].items() if k not in ("iterations", "run_dir", "store_url", "eval_every",
                                                          "eval_samples", "eval_temperature",
                                                          "price_per_hour", "keep_versions", "keep_every",
-                                                         "rollouts_every", "report_to")}
-    d["data"] = {k: v for k, v in d["data"].items() if k != "eval_sets"}  # what is evaluated, not trained
+                                                         "rollouts_every", "report_to", "max_task_failures")}
+    d["data"] = {k: v for k, v in d["data"].items() if k not in ("eval_sets", "eval_size")}  # evaluated, not trained
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

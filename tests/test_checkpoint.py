@@ -48,7 +48,8 @@ def test_evaluation_settings_do_not_change_what_a_resumed_run_must_share():
     from grpo_kit import config, tasks
 
     cfg, task = config.profile("tiny"), tasks.resolve("synthetic")
-    same = cfg.override(eval_samples=8, eval_temperature=0.7, eval_every=2, eval_sets={"more": "synthetic"})
+    same = cfg.override(eval_samples=8, eval_temperature=0.7, eval_every=2, eval_sets={"more": "synthetic"},
+                        eval_size=cfg.data.eval_size * 2, max_task_failures=7)  # review: these two refused a resume
     assert checkpoint.run_id_for(cfg, "x", task) == checkpoint.run_id_for(same, "x", task)
     assert checkpoint.run_id_for(cfg, "x", task) != checkpoint.run_id_for(cfg.override(n_digits=2), "x", task)  # training data
 
@@ -120,3 +121,37 @@ def test_records_of_versions_retention_pruned_are_not_rebuilt(tmp_path):
         store.delete(v)
     out = checkpoint.recovered_records(store, [], {"version": 7, "next_iteration": 7})
     assert [(r["iteration"], r["version"], r["loss"]) for r in out] == [(4, 5, 5.0), (5, 6, 6.0), (6, 7, 7.0)]
+
+
+def test_versions_without_a_run_state_are_refused_and_kept(tmp_path):
+    """Review finding: resume=True on a store with versions but no run state (a copy without state/)
+    started from version 0, deleted every version reconcile could not chain from v1 (all of them,
+    once retention had pruned v1) and rewrote metrics.jsonl empty."""
+    import pytest
+
+    from grpo_kit.records import RunFiles
+
+    store = AdapterStore(str(tmp_path / "store"))
+    for v in range(1, 8):
+        _publish(store, tmp_path, v, iteration=v - 1)
+    for v in range(1, 5):
+        store.delete(v)
+    files = RunFiles(tmp_path / "run")
+    files.root.mkdir()
+    lines = "".join(json.dumps({"iteration": i, "version": i + 1}) + "\n" for i in range(7))
+    files.metrics.write_text(lines)
+    with pytest.raises(FileNotFoundError, match=r"holds versions \[5, 6, 7\] and no run state.*Nothing was deleted"):
+        checkpoint.restore(store, "rid", files, resume=True)
+    assert store.versions() == [5, 6, 7] and files.metrics.read_text() == lines
+
+
+def test_a_fresh_start_removes_the_previous_summary(tmp_path):
+    """Review finding: a fresh run in a reused run_dir (its store elsewhere) kept the old summary.json,
+    which load_run and the report then showed beside the new records."""
+    from grpo_kit.records import RunFiles
+
+    files = RunFiles(tmp_path / "run")
+    files.root.mkdir()
+    files.summary.write_text(json.dumps({"final_acc": 0.93}))
+    checkpoint.restore(AdapterStore(str(tmp_path / "store")), "rid", files, resume=False)
+    assert not files.summary.exists()
