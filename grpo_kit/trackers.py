@@ -168,12 +168,23 @@ def record_scalars(record: Mapping[str, Any]) -> dict[str, float]:
         if k in NOT_SCALARS:
             continue
         if isinstance(v, Mapping):
-            out.update({f"{k}/{kk}": x for kk, vv in v.items() if (x := _number(vv)) is not None})
+            out.update(_nested(k, v))
         elif (x := _number(v)) is not None:
             out[k] = x
         elif isinstance(v, float):  # NaN or inf: not every tracker plots them
             out[f"nonfinite/{k}"] = 1.0
     return {**out, **eval_scalars(record.get("evals") or [])}
+
+
+def _nested(key: str, values: Mapping) -> dict[str, float]:
+    """A dict of numbers as ``<key>/<name>``, a NaN or infinite one as ``nonfinite/<key>/<name>`` = 1."""
+    out = {}
+    for name, v in values.items():
+        if (x := _number(v)) is not None:
+            out[f"{key}/{name}"] = x
+        elif isinstance(v, float):
+            out[f"nonfinite/{key}/{name}"] = 1.0
+    return out
 
 
 def eval_scalars(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -196,9 +207,11 @@ def eval_scalars(results: Sequence[Mapping[str, Any]]) -> dict[str, float]:
             if k in ("iteration", "start", "end", "set"):
                 continue
             if isinstance(v, Mapping):
-                out.update({f"{prefix}{k}/{kk}": x for kk, vv in v.items() if (x := _number(vv)) is not None})
+                out.update(_nested(prefix + k, v))
             elif (x := _number(v)) is not None:
                 out[prefix + k] = x
+            elif isinstance(v, float):
+                out[f"nonfinite/{prefix}{k}"] = 1.0
         if not own or _number(res.get("acc")) is None:
             continue
         if res.get("version") == 0:

@@ -120,6 +120,8 @@ def update_in_place(fig: go.Figure, fresh: go.Figure | list[Arrays], build: Call
     with fig.batch_update():
         for old, new in zip(fig.data, arrays, strict=True):
             for key, val in new.items():
+                if val is None:  # a plain figure's unset text or customdata
+                    continue
                 if old[key] is None and not len(val):
                     continue
                 if old[key] is None or len(old[key]) != len(val) or tuple(old[key]) != tuple(val):

@@ -440,6 +440,71 @@ def test_work_directory_is_empty_private_and_removed():
     assert not os.path.exists(cwd)
 
 
+def _sandbox_dirs() -> set[str]:
+    import tempfile
+
+    return {p for p in os.listdir(tempfile.gettempdir()) if p.startswith("grpo-sandbox-")}
+
+
+def test_a_tree_too_deep_to_remove_recursively_scores_only_its_own_completion():
+    """Review finding (high): a completion nesting ~1,100 directories in its work directory made
+    shutil.rmtree raise RecursionError in the parent, which escaped run_tests and zeroed the whole
+    batch (and left both work directories behind)."""
+    rows = load_humaneval()
+    row = rows[0]
+    deep = "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\n"
+    before = _sandbox_dirs()
+    scores = _score([row["canonical_solution"], deep + row["prompt"] + row["canonical_solution"], "    return 0\n"],
+                    [row] * 3, timeout_s=TIMEOUT_S)
+    assert [s.score for s in scores] == [1.0, 1.0, 0.0], [s.reason for s in scores]
+    assert _sandbox_dirs() <= before
+
+
+def test_a_work_directory_the_program_locked_is_still_removed(tmp_path):
+    """Review finding: a subdirectory set to mode 000 could not be emptied (when not root) and stayed."""
+    from grpo_kit.sandbox import remove_tree
+
+    top = tmp_path / "w"
+    (top / "locked" / "inner").mkdir(parents=True)
+    (top / "locked" / "inner" / "f").write_text("x")
+    os.chmod(top / "locked" / "inner", 0)
+    os.chmod(top / "locked", 0)
+    remove_tree(str(top))
+    assert not top.exists()
+    deep = tmp_path / "deep"
+    deep.mkdir()
+    here = os.getcwd()
+    try:
+        os.chdir(deep)
+        for _ in range(1200):  # past rmtree's recursion (and PATH_MAX): rm -rf takes it
+            os.mkdir("d")
+            os.chdir("d")
+    finally:
+        os.chdir(here)
+    remove_tree(str(deep))
+    assert not deep.exists()
+
+
+def test_shared_memory_and_device_files_are_not_readable():
+    """Review finding: Landlock allowed reads anywhere under /dev, so a root run's sandbox (which keeps
+    CAP_DAC_READ_SEARCH) read a 0600 root file in /dev/shm (names stay listable, as elsewhere); the
+    devices a program reads still work."""
+    if "landlock-read" not in probe():
+        pytest.skip("no Landlock here: the program reads what its uid may read")
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    secret = Path("/dev/shm") / f"grpo-test-{secrets.token_hex(4)}"
+    secret.write_text("s3cret")
+    os.chmod(secret, 0o600)
+    try:
+        r = run_python(f"print(open({str(secret)!r}).read())\n")
+        assert not r.passed and "PermissionError" in r.reason and "s3cret" not in r.output, r
+        r = run_python("print(len(open('/dev/urandom', 'rb').read(8)), open('/dev/zero', 'rb').read(2))\n")
+        assert r.passed and r.output.strip() == "8 b'\\x00\\x00'", r
+    finally:
+        secret.unlink()
+
+
 def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock():
     # on a loaded machine one CPU second can take many wall seconds: the reason says which limit ended it
     r = run_python("while True:\n    pass\n", SandboxLimits(timeout_s=120, cpu_s=1))

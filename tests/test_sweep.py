@@ -80,6 +80,13 @@ def test_sweep_figure_draws_one_line_per_color_value_and_skips_failures():
     assert "3 of 4 runs" in fig.layout.title.text
 
 
+def test_an_axis_of_ints_and_floats_is_drawn_in_order():
+    """Review finding: the sort key put every float before every int (0.04, 0.1, then 0)."""
+    results = [_result(1e-4, 0.1, 0.7), _result(1e-4, 0, 0.5), _result(1e-4, 0.04, 0.6)]
+    fig = sweep.sweep_figure(results, "kl_beta", metrics=("acc_after",))
+    assert list(fig.data[0].x) == [0, 0.04, 0.1] and list(fig.data[0].y) == [0.5, 0.6, 0.7]
+
+
 def test_table_flattens_point_summary_and_error():
     rows = sweep.table([_result(1e-3, 0.0, 0.5), _result(1e-3, 0.04, None, error="boom")])
     assert rows[0] == {
@@ -156,6 +163,20 @@ def test_points_run_in_parallel_with_their_parameters(stub, client, tmp_path):
     assert _overlap(*results)
 
 
+def test_a_point_that_writes_no_summary_is_not_given_the_previous_sweeps(stub, tmp_path):
+    """Review finding: a re-run into the same out_dir returned the old summary.json as this run's."""
+    run_dir = tmp_path / "p"
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"acc_after": 0.9, "from": "the previous sweep"}))
+    quiet = new_notebook(cells=[new_code_cell('run_dir: str = "run"')])
+    quiet.cells[0].metadata["tags"] = ["parameters"]
+    quiet.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(quiet, tmp_path / "quiet.ipynb")
+    out = sweep.run_point(str(tmp_path / "quiet.ipynb"), str(tmp_path / "out.ipynb"), {"run_dir": str(run_dir)},
+                          str(tmp_path), "python3")
+    assert out["summary"] == {} and "wrote no" in out["error"]
+
+
 def test_max_parallel_bounds_the_runs_in_flight(stub, client, tmp_path):
     results = sweep.sweep(stub, {"tag": ["a", "b", "c"]}, {"sleep_s": 1.0}, tmp_path, client=client, max_parallel=1)
     assert [r["summary"]["tag"] for r in results] == ["a", "b", "c"]
@@ -208,6 +229,9 @@ def test_sweep_runs_validates_every_point_before_any_runs(tmp_path):
         sweep.sweep_runs({"typo": {"policy_loss": "gpso"}}, "tiny", {}, tmp_path, client=object())
     with pytest.raises(ValueError, match="not file-name safe"):
         sweep.sweep_runs({"a/b": {}}, "tiny", {}, tmp_path, client=object())
+    for name in ("..", ".", "..."):  # review: ".." wrote into out_dir's parent and deleted its store/
+        with pytest.raises(ValueError, match="not file-name safe.*only dots"):
+            sweep.sweep_runs({name: {}}, "tiny", {}, tmp_path, client=object())
     # review findings: runs sharing one store would publish into each other's; a shared cluster
     # sized by the first run would not give another run its shape
     with pytest.raises(ValueError, match="store_url '/tmp/one-store' is shared by several runs"):

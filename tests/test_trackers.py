@@ -294,6 +294,17 @@ def _sample(it: int, i: int) -> dict:
             "gold": "7", "version": it}
 
 
+def test_a_nonfinite_value_inside_a_dict_or_an_evaluation_is_marked():
+    """Review finding: NaN inside reward_components or an evaluation was dropped without the marker."""
+    from grpo_kit.trackers import eval_scalars, record_scalars
+
+    nan = float("nan")
+    out = record_scalars({"iteration": 1, "reward_components": {"fmt": 1.0, "correct": nan}})
+    assert out == {"reward_components/fmt": 1.0, "nonfinite/reward_components/correct": 1.0}
+    assert eval_scalars([{"version": 2, "acc": nan, "pass_at": {"4": float("inf")}}]) == {
+        "eval/version": 2.0, "nonfinite/eval/acc": 1.0, "nonfinite/eval/pass_at/4": 1.0}
+
+
 def test_config_takes_a_list_or_a_comma_string():
     assert config.profile("tiny").run.report_to == ()
     assert config.profile("tiny", report_to="tensorboard, mlflow").run.report_to == ("tensorboard", "mlflow")

@@ -83,6 +83,13 @@ def test_episode_figures_follow_a_multi_turn_run():
     assert set(widgets.LivePlots(live=True).figures) == set(figures.FIGURES)  # live: only what was asked for
 
 
+def test_update_in_place_takes_a_plain_figure():
+    """Review finding: a plain Scatter's unset text/customdata came through as None and len(None) raised."""
+    fig = go.Figure(go.Scatter(x=[1, 2], y=[3, 4], name="a"))
+    widgets.update_in_place(fig, go.Figure(go.Scatter(x=[1, 2, 3], y=[3, 4, 5], name="a")))
+    assert list(fig.data[0].x) == [1, 2, 3] and list(fig.data[0].y) == [3, 4, 5] and fig.data[0].text is None
+
+
 def test_live_plots_reject_unknown_names():
     with pytest.raises(ValueError, match="unknown figure"):
         widgets.LivePlots(names=["reward", "nope"])

@@ -127,7 +127,8 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
     completions run at once on ``workers`` threads (default: 4 per CPU, at most 32), each in its own
     pair of sandboxes bounded by ``timeout_s``. A completion not started within ``batch_timeout_s`` of
     the call is not run: its score is None ("not run", so it is unscorable unless another reward
-    scores it) rather than a guess. So the call returns within about ``batch_timeout_s + timeout_s``
+    scores it) rather than a guess; one whose sandbox raised scores 0.0 with that reason (the others
+    keep theirs). So the call returns within about ``batch_timeout_s + timeout_s``
     (55 s by default), inside the scorer's own per-batch bound (``Scorer.timeout_s``, 60 s), past
     which the whole batch would score 0 while its abandoned thread went on starting sandboxes.
 
@@ -149,12 +150,16 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
     def one(job):
         if deadline is not None and time.monotonic() > deadline:
             return None
-        return run_tests(job[0], job[3], job[1], limits)
+        try:
+            return run_tests(job[0], job[3], job[1], limits)
+        except Exception as e:  # noqa: BLE001 - this completion fails; the batch's others keep their scores
+            return f"the sandbox raised {type(e).__name__}: {e}"
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         runs = list(pool.map(one, jobs))
     return [RewardResult(None, None, f"not run: the batch's {batch_timeout_s:g} s (batch_timeout_s) ran out", rule)
-            if r is None else RewardResult(float(r.passed), None, _reason(r), rule, r.passed, r.passed)
+            if r is None else RewardResult(0.0, None, r, rule, False, False) if isinstance(r, str)
+            else RewardResult(float(r.passed), None, _reason(r), rule, r.passed, r.passed)
             for r, (_, _, rule, _) in zip(runs, jobs, strict=True)]
 
 
