@@ -47,6 +47,10 @@ EXPORT_RECORD = "grpo_kit_export.json"
 """Written into every export: the run, the version, the base model and the adapter's checksums."""
 SKIPPED_FILES = {MODEL_MARKER, "grpo_kit_tiny.json", "README.md", ".gitattributes"}
 """Base-checkpoint files not copied into a merged export (the kit's build records, the base's model card)."""
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".pkl", ".index.json")
+"""Endings of the base's weights in other formats (and their shard indexes), never copied into a
+merged export: a loader that found them would serve the unmerged base (``model.safetensors.index.json``
+is copied: the merged shards keep their names)."""
 MERGE_DTYPES = ("float32", "float64", "bfloat16", "float16")
 """The ``dtype`` values :func:`merged` accepts."""
 ROUNDING_WARN = 1e-2
@@ -149,7 +153,7 @@ def merged(run_dir: str | os.PathLike, out: str | os.PathLike, version: int | No
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from .lora_merge import adapter_deltas, ties_word_embeddings
+    from .lora_merge import INDEX, adapter_deltas, safetensors_shards, ties_word_embeddings
 
     if dtype is not None and dtype not in MERGE_DTYPES:
         raise ValueError(f"dtype must be one of {MERGE_DTYPES} or None, got {dtype!r}")
@@ -158,7 +162,7 @@ def merged(run_dir: str | os.PathLike, out: str | os.PathLike, version: int | No
     v = src.version(version)
     out = _check_out(out, force, src)
     base = Path(src.model_path)
-    shards = sorted(base.glob("*.safetensors"))
+    shards = [Path(f) for f in safetensors_shards(str(base))]
     if not shards:
         raise FileNotFoundError(f"the base model {base} holds no *.safetensors weights: the merged export reads those")
     deltas, copies = {}, {}
@@ -180,7 +184,7 @@ def merged(run_dir: str | os.PathLike, out: str | os.PathLike, version: int | No
                 meta = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
             for name, w in tensors.items():
-                if name in copies and not torch.equal(copies.pop(name), w):
+                if name in copies and not torch.equal((copy := copies.pop(name)), w.to(copy.dtype)):
                     raise ValueError(f"adapter v{v} carries its own {name} (PEFT's save_embedding_layers), which differs "
                                      "from the base model's: export it with --adapter")
                 target = _dtype(dtype) if dtype is not None and w.is_floating_point() else w.dtype
@@ -204,7 +208,8 @@ def merged(run_dir: str | os.PathLike, out: str | os.PathLike, version: int | No
             raise ValueError(f"adapter v{v} targets weights the base checkpoint {base} lacks: {missing[:3]}"
                            f"{' ...' if len(missing) > 3 else ''}")
         for p in sorted(base.iterdir()):
-            if p.is_file() and p.suffix != ".safetensors" and p.name not in SKIPPED_FILES:
+            if p.is_file() and p.suffix != ".safetensors" and p.name not in SKIPPED_FILES and \
+                    (p.name == INDEX or not p.name.endswith(OTHER_WEIGHTS)):
                 shutil.copyfile(p, tmp / p.name)
         if dtype is not None:
             _set_config_dtype(tmp / "config.json", dtype)
@@ -310,7 +315,12 @@ class _staging:
             return
         old = None
         try:
-            if self.out.exists():  # empty, or force (checked before the export started): set aside, not deleted
+            if self.out.exists() and not self.force:  # empty when the export started: rmdir fails if it is not now
+                try:
+                    self.out.rmdir()
+                except OSError:
+                    raise FileExistsError(f"{self.out} was written to during the export; nothing was replaced") from None
+            if self.out.exists():  # force (checked before the export started): set aside, not deleted
                 old = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.old-"))
                 os.replace(self.out, old / "out")
             os.rename(self.tmp, self.out)

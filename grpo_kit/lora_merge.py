@@ -66,13 +66,29 @@ def adapter_deltas(path: str, tied_embeddings: bool = False, dtype=None) -> dict
     return deltas
 
 
-def base_weights(model_path: str) -> dict:
-    """Every tensor of a local Hugging Face checkpoint (its ``*.safetensors`` files)."""
-    import glob
+INDEX = "model.safetensors.index.json"
+"""A sharded checkpoint's index of its safetensors files."""
 
+
+def safetensors_shards(model_path: str) -> list[str]:
+    """A checkpoint's weight files: those its ``model.safetensors.index.json`` lists where it has one
+    (a ``consolidated.safetensors`` beside them, Mistral's single-file copy of the same weights, is
+    left out), else every ``*.safetensors``."""
+    import glob
+    import json
+
+    index = os.path.join(model_path, INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return [os.path.join(model_path, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+    return sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+
+
+def base_weights(model_path: str) -> dict:
+    """Every tensor of a local Hugging Face checkpoint (:func:`safetensors_shards`)."""
     from safetensors.torch import load_file
 
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    files = safetensors_shards(model_path)
     if not files:
         raise FileNotFoundError(f"lora_mode='merged' needs a local safetensors checkpoint; none in {model_path}")
     out = {}

@@ -221,9 +221,13 @@ def _from_hub(repo_id: str) -> str:
 
     tried = []
     try:
-        return snapshot_download(repo_id, local_files_only=True)
+        cached = snapshot_download(repo_id, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any failure here means "not cached"; reported below
         tried.append(f"the local Hugging Face cache: {type(e).__name__}")
+    else:  # a tokenizer or config loaded earlier caches a snapshot without weights
+        if any(Path(cached).glob("*.safetensors")):
+            return cached
+        tried.append(f"the local Hugging Face cache: {cached} holds no *.safetensors weights")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         tried.append("the hub: skipped (HF_HUB_OFFLINE is set)")
     else:

@@ -181,6 +181,49 @@ def test_a_forced_export_that_fails_to_land_keeps_the_previous_one(run, tmp_path
     assert json.loads((out / export.EXPORT_RECORD).read_text())["version"] == 2
 
 
+def test_a_merged_export_carries_no_unmerged_copy_of_the_base(run, batch, tiny_path, tmp_path):
+    """Review finding: every non-safetensors file was copied, so a base's pytorch_model.bin came along
+    unmerged (a loader that read it served the base), and every *.safetensors counted as a shard, so a
+    Mistral-style consolidated.safetensors beside an index was copied unmerged too."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    run_dir, spec = run
+    base = tmp_path / "base"
+    shutil.copytree(tiny_path, base)
+    weights = load_file(str(base / "model.safetensors"))
+    torch.save(weights, base / "pytorch_model.bin")
+    shutil.copyfile(base / "model.safetensors", base / "consolidated.safetensors")
+    (base / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}))
+    out = export.merged(run_dir, tmp_path / "merged", base_model=str(base), progress=False)
+    names = {p.name for p in out.iterdir()}
+    assert "pytorch_model.bin" not in names and "consolidated.safetensors" not in names
+    assert {"model.safetensors", "model.safetensors.index.json", "config.json"} <= names
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert_close(logits(model, batch), trainer_logits(spec, STEPS, batch))
+
+
+def test_an_export_does_not_replace_what_was_written_into_its_directory_meanwhile(run, tmp_path, monkeypatch):
+    """Review finding: without --force, OUT was only checked for emptiness at the start; what was
+    written into it during the export was moved aside and deleted at the end."""
+    run_dir, _ = run
+    out = tmp_path / "served"
+    out.mkdir()
+    write_record = export._write_record
+
+    def meanwhile(*args, **kw):
+        (out / "notes.txt").write_text("mine")
+        return write_record(*args, **kw)
+
+    monkeypatch.setattr(export, "_write_record", meanwhile)
+    with pytest.raises(FileExistsError, match="written to during the export"):
+        export.adapter(run_dir, out, version=1, progress=False)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["served"]  # no staging directory left
+
+
 def untied_copy(path, dest):
     """The tiny model with its output layer untied from its embedding (a copy of it)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

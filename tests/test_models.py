@@ -83,3 +83,22 @@ def test_run_fails_before_any_cluster_starts(tmp_path, monkeypatch):
     with pytest.raises(models.ModelNotFoundError, match="/nonexistent/model"):
         loop.run(cfg, progress=False)
     assert time.time() - t < 10.0  # no cluster started (connect would fail), nothing loaded
+
+
+def test_a_cached_hub_snapshot_without_weights_is_not_taken(tmp_path, monkeypatch):
+    """Review finding: a snapshot that only a tokenizer or config load had cached (no weights) was
+    returned as the model, and the run failed later on the workers."""
+    import huggingface_hub.constants
+
+    snap = tmp_path / "models--someorg--somemodel" / "snapshots" / ("a" * 40)
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (snap / "tokenizer.json").write_text("{}")
+    (tmp_path / "models--someorg--somemodel" / "refs").mkdir()
+    (tmp_path / "models--someorg--somemodel" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(models.ModelNotFoundError, match="holds no \\*.safetensors weights"):
+        models.resolve_model("someorg/somemodel")
+    (snap / "model.safetensors").write_bytes(b"")  # with weights it is the model
+    assert models.resolve_model("someorg/somemodel") == str(snap)
