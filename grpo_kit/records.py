@@ -56,6 +56,9 @@ class EvalResult(TypedDict, total=False):
     """Completions that hit the token budget."""
     reward_errors: int
     """Completions a reward function failed on."""
+    unscored: int
+    """Completions no reward applied to (their reward is None: a code reward not run within its
+    batch's time, a reward that does not apply): ``acc`` counts them as not correct, over all ``n``."""
     start: float
     """Unix time the evaluation started."""
     end: float

@@ -327,7 +327,8 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
               episodes: EpisodePlan | None = None, samples: int = 0, temperature: float = 1.0, seed: int = 0) -> dict:
     """Greedy held-out accuracy of adapter ``version`` (0 = the base model) by the task's rule:
     strict (``acc``; for the arithmetic tasks the ``####`` form and the right value) and lenient
-    (``lenient_acc``; there, the right value by any rule). With ``episodes``: one greedy episode per
+    (``lenient_acc``; there, the right value by any rule), both over every problem: an unscorable
+    completion counts as not correct, and ``unscored`` says how many there were. With ``episodes``: one greedy episode per
     problem, and the episodes' counts besides (``tool_rate``: share of episodes that called a tool;
     ``turns_mean``; ``tool_errors``). With ``samples`` = k >= 1: also k completions (episodes) per
     problem sampled at ``temperature`` from ``seed``, and their pass@1..k, avg@k and maj@k
@@ -360,6 +361,7 @@ def eval_task(problems: list[dict], version: int, max_new_tokens: int, scorer: S
         "n": len(correct),
         "truncated": sum(r.truncated for r in outs),
         "reward_errors": sum(res.errors for res in results),
+        "unscored": sum(res.reward is None for res in results),
         "start": t0,
         "end": time.time(),
         "worker": str(get_worker().name),

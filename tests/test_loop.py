@@ -154,6 +154,7 @@ def test_pipelined_run_records_and_chain(tmp_path, client, monkeypatch):
     assert sorted(e["version"] for e in evals) == [0, 2, 4] and sorted(e["version"] for e in other) == [0, 2, 4]
     assert {e["worker"] for e in evals + other} <= {"rollout-0", "rollout-1"}  # no eval workers: the rollout ones
     assert all(e["n"] == 4 and e["samples"] == 4 for e in other)
+    assert all(e["unscored"] == 0 for e in evals + other)  # the arithmetic rewards score every completion
     assert res.summary["eval_sets"]["sums4"]["acc_after"] == next(e["acc"] for e in other if e["version"] == 4)
     assert res.summary["acc_after"] == next(e["acc"] for e in evals if e["version"] == 4)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["eval_sets"]["sums4"]["name"] == "synthetic"
