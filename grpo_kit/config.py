@@ -290,6 +290,8 @@ class SamplingConfig:
         _check(self.group_size >= 2, f"group_size must be >= 2 (advantages need a group), got {self.group_size}")
         _check(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               f"stop strings must be non-empty strings (an empty one is in every text), got {self.stop!r}")
         _check(MIN_TEMPERATURE <= self.temperature < math.inf,
                f"temperature must be in [{MIN_TEMPERATURE}, inf), got {self.temperature} (vLLM samples below "
                f"{MIN_TEMPERATURE} at {MIN_TEMPERATURE}, so the recorded log-probs would not be of the trained distribution)")

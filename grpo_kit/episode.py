@@ -56,7 +56,7 @@ from typing import Any, Protocol
 from . import data
 from .config import EpisodeConfig
 from .prompts import PromptFormat, prompt_of
-from .renderers import PrefixError, Renderer, continues_after, decode, encode_environment
+from .renderers import PrefixError, Renderer, continues_after, decode, environment_ids
 from .rollout import Continuation, Rollout
 from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
 
@@ -343,14 +343,20 @@ class EpisodeRunner:
         self.parser = tool_parser or parser(renderer.format)
 
     def start(self, p: data.Problem, ep: Episode) -> Live:
-        env = self.factory() if self.factory is not None else None
-        env_tools = environment_tools(env) if env is not None else []
+        env, broken = None, None
+        try:  # one episode's environment that cannot be made must not stop the batch
+            env = self.factory() if self.factory is not None else None
+            env_tools = environment_tools(env) if env is not None else []
+        except Exception as e:
+            env, env_tools, broken = None, [], f"environment_factory raised {type(e).__name__}: {e}"
         box = ToolBox(self.tools + env_tools, timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls,
                       stateful=[fn.__name__ for fn in env_tools])
         live = Live(ep, env, box, box.schemas(), env_tools=frozenset(fn.__name__ for fn in env_tools))
         ep.messages = self.fmt.messages(prompt_of(p))  # a conversational prompt as it is
         ep.prompt_messages = len(ep.messages)
         obs = None
+        if broken:  # the episode keeps its prompt and samples nothing, as when reset raises
+            ep.end_reason, ep.error = "error", broken
         if env is not None:
             try:  # a row of its own (a deep copy): an environment that edits it changes no other episode
                 obs = env.reset(**copy.deepcopy(problem_row(p)))
@@ -400,7 +406,7 @@ class EpisodeRunner:
         ep.messages += [{"role": "tool", "name": r.name, "content": r.content} for r in results]
         try:
             env_text = self.renderer.extend(ep.messages, live.history, live.schemas)
-            ids = encode_environment(self.renderer.tokenizer, env_text, [r.content for r in results])
+            ids = environment_ids(self.renderer, ep.messages, live.history, live.schemas, env_text)
         except PrefixError:
             raise
         except Exception as e:  # e.g. a template that rejects the messages

@@ -139,8 +139,11 @@ class HFEngine:
         for i, p in enumerate(prompts):  # left-padded: every row's next token is at the same column
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention_mask[i, width - len(p) :] = 1
+        # the temperature is the recorder's to apply (a user's processor may run before generate's own
+        # warpers, so the recorder could not otherwise see the distribution sampled from)
+        record = SampledLogprobs(sampling.get("temperature", 1.0))
         gen_cfg = GenerationConfig(
-            **sampling,
+            **{**sampling, **({"temperature": 1.0} if "temperature" in sampling else {})},
             typical_p=1.0,
             repetition_penalty=1.0,
             max_new_tokens=max_new_tokens,
@@ -148,7 +151,6 @@ class HFEngine:
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=True,
         )
         ctx = self._policy(version)
         devices = [self.device] if self.device.type == "cuda" else []
@@ -159,14 +161,10 @@ class HFEngine:
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
                 generation_config=gen_cfg,
+                logits_processor=[record],
             )
         gen = out.sequences[:, width:]  # (B*n, L) rows ordered problem-major, as the groups
-        # log-prob of each sampled token under the processed distribution, one step at a time
-        # (a (L, B*n, V) stack would be large for a real vocabulary)
-        logp = torch.stack(
-            [s.float().log_softmax(-1).gather(1, gen[:, t : t + 1]).squeeze(1) for t, s in enumerate(out.scores)],
-            dim=1,
-        )  # (B*n, L)
+        logp = record.finish(out.sequences)  # (B*n, L)
         gen, logp = gen.tolist(), logp.tolist()
         stop = set(self.stop_ids)
         rollouts = []
@@ -190,6 +188,7 @@ class HFEngine:
         from transformers import DynamicCache
 
         check_request(1, version, max(max_new_tokens, default=1), temperature or 1.0, has_store=self.store is not None)
+        stop = tuple(s for s in stop if s)  # "" is in every text: as cut_completion, it stops nothing
         B, width = len(prompts), max((len(p) for p in prompts), default=0)
         if not prompts:
             return []
@@ -240,3 +239,35 @@ class HFEngine:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+class SampledLogprobs:
+    """A logits processor that applies the sampling temperature (``generate`` then runs at 1.0 with
+    no other warper: top-k 0, top-p 1) and records the log-prob of each sampled token under the
+    distribution it was sampled from: each step keeps that step's log-softmax, and the next step (or
+    :meth:`finish`) reads the token that was drawn from it. Memory is one (rows, vocab) array, where
+    ``output_scores`` would keep one per step (tens of GiB for a real vocabulary and long completions)."""
+
+    def __init__(self, temperature: float = 1.0) -> None:
+        self.temperature = float(temperature)
+        self.prev = None
+        self.logps: list = []
+
+    def __call__(self, input_ids, scores):
+        self._take(input_ids[:, -1])
+        if self.temperature != 1.0:
+            scores = scores / self.temperature
+        self.prev = scores.float().log_softmax(-1)
+        return scores
+
+    def _take(self, tokens) -> None:
+        if self.prev is not None:
+            self.logps.append(self.prev.gather(1, tokens[:, None].to(self.prev.device)).squeeze(1))
+            self.prev = None
+
+    def finish(self, sequences):
+        """(rows, steps): the sampled tokens' log-probs, given ``generate``'s output sequences."""
+        import torch
+
+        self._take(sequences[:, -1])
+        return torch.stack(self.logps, dim=1) if self.logps else torch.zeros(sequences.shape[0], 0)

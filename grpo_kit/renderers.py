@@ -27,16 +27,17 @@ environment segment (:meth:`extend`): the tool messages and the next assistant h
   This format is defined by the stream itself, so there is no template to check against.
 
 A tool's answer is text the policy can steer (a tool that echoes its arguments, a Python tool that
-prints): the environment's ids are made by :func:`encode_environment`, which tokenizes a special
-token's string inside an answer (``<|im_end|>``, ``<eos>``) as its characters, never as the special
-token, so an answer cannot end the tool message early or forge a user or assistant turn in the
-stream; the template's own special tokens stay special.
+prints): the environment's ids are made by :func:`environment_ids`, which tokenizes an added
+token's text inside an answer (``<|im_end|>``, ``<eos>``, Qwen's ``</tool_response>``) as its
+characters, never as the token, so an answer cannot end the tool message early or forge a user or
+assistant turn in the stream; the template's own tokens stay what they are.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -101,45 +102,65 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def special_strings(tokenizer) -> list[str]:
-    """The strings the tokenizer turns into special tokens, longest first."""
-    found = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
-             if getattr(t, "special", False)}
+def added_strings(tokenizer) -> list[str]:
+    """The strings the tokenizer turns into one added token, special or not (Qwen's ``<tool_call>``
+    and ``</tool_response>`` are added tokens not marked special), longest first."""
+    found = {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
     found.update(getattr(tokenizer, "all_special_tokens", None) or [])
     return sorted((t for t in found if t), key=len, reverse=True)
 
 
-def encode_environment(tokenizer, text: str, answers: Sequence[str]) -> list[int]:
-    """The ids of an environment segment ``text`` holding the tool ``answers`` (in order, verbatim):
-    as :func:`encode`, except that a special token's string inside an answer is tokenized as its
-    characters (``split_special_tokens``), so an answer cannot forge the template's turn structure.
-    An answer that holds one but is not found verbatim in ``text`` (a template that rewrote it) raises
-    ``ValueError``: which special tokens are the template's could not be told."""
-    specials = special_strings(tokenizer)
-    spans, at = [], 0
-    for a in answers:
-        if not a:
-            continue
-        start = text.find(a, at)
-        if start < 0:
-            if any(s in a for s in specials):
-                raise ValueError(f"a tool answer holds a special token's text ({a[:60]!r}) and the template does not "
-                                 "render it verbatim, so its ids cannot be told from the template's")
-            continue
-        at = start + len(a)
-        if any(s in a for s in specials):
-            spans.append((start, at))
-    if not spans:
+def environment_ids(renderer, messages: list[dict], history: str, schemas: Sequence[dict], text: str) -> list[int]:
+    """The ids of the environment segment ``text`` (``renderer.extend(messages, history, schemas)``):
+    as :func:`encode`, except where a tool answer (the tool messages at the end of ``messages``) holds
+    an added token's text (``<|im_end|>``, ``<eos>``, Qwen's ``</tool_response>``). Then the answers'
+    exact places in ``text`` are taken from a rendering with a placeholder for each answer, and each
+    answer is tokenized as its characters, never as the added token, so it cannot close the tool
+    message or forge a turn; the template's own tokens stay what they are. A template that does not
+    render every answer verbatim, once, raises ``ValueError``: which tokens are the template's could
+    not be told."""
+    tokenizer = renderer.tokenizer
+    n = len(messages)
+    while n and messages[n - 1]["role"] == "tool":
+        n -= 1
+    answers = [str(m["content"]) for m in messages[n:]]
+    added = added_strings(tokenizer)
+    if not any(t in a for a in answers for t in added):
         return encode(tokenizer, text)
-
-    def plain(segment: str) -> list[int]:
-        return list(tokenizer.encode(segment, add_special_tokens=False, split_special_tokens=True)) if segment else []
-
+    marks = [f"GRPOKITANSWER{k}X{secrets.token_hex(6)}" for k in range(len(answers))]
+    marked = renderer.extend(messages[:n] + [{**m, "content": mark} for m, mark in zip(messages[n:], marks, strict=True)],
+                             history, schemas)
+    spans, rebuilt, pos = [], "", 0
+    for mark, answer in zip(marks, answers, strict=True):
+        at = marked.find(mark, pos)
+        if at < 0 or marked.count(mark) != 1:
+            raise ValueError("a tool answer holds an added token's text and the template does not render each answer "
+                             "once, verbatim, so its ids cannot be told from the template's")
+        rebuilt += marked[pos:at]
+        spans.append((len(rebuilt), len(rebuilt) + len(answer)))
+        rebuilt += answer
+        pos = at + len(mark)
+    if rebuilt + marked[pos:] != text:
+        raise ValueError("a tool answer holds an added token's text and the template does not render it verbatim, "
+                         "so its ids cannot be told from the template's")
     ids, pos = [], 0
-    for m in re.finditer("|".join(map(re.escape, specials)), text):
-        if any(s < m.end() and m.start() < e for s, e in spans):  # in (or across the edge of) an answer: text
-            continue
-        ids += plain(text[pos:m.start()]) + [tokenizer.convert_tokens_to_ids(m.group())]
+    for start, end in spans:
+        ids += encode(tokenizer, text[pos:start]) + as_characters(tokenizer, text[start:end], added)
+        pos = end
+    return ids + encode(tokenizer, text[pos:])
+
+
+def as_characters(tokenizer, text: str, added: Sequence[str]) -> list[int]:
+    """``text``'s ids with no added token among them: an added token's text is tokenized as its first
+    character and the rest, each as plain text (``split_special_tokens``)."""
+    def plain(piece: str) -> list[int]:
+        return list(tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)) if piece else []
+
+    if not added:
+        return plain(text)
+    ids, pos = [], 0
+    for m in re.finditer("|".join(map(re.escape, added)), text):
+        ids += plain(text[pos:m.start()]) + plain(m.group()[0]) + as_characters(tokenizer, m.group()[1:], added)
         pos = m.end()
     return ids + plain(text[pos:])
 

@@ -108,7 +108,10 @@ def _to_decimal(m: re.Match[str]) -> Decimal:
 
 def _well_ended(text: str, end: int) -> bool:
     tail = text[end : end + _TAIL_WINDOW]
-    return _BAD_TAIL_RE.match(tail) is None and not (tail and unicodedata.category(tail[0]) in _NUMERIC_CATEGORIES)
+    if _BAD_TAIL_RE.match(tail) is not None or (tail and unicodedata.category(tail[0]) in _NUMERIC_CATEGORIES):
+        return False
+    spaced = tail.lstrip()  # "18 ½", "18\xa0⅓": a mixed number written with a vulgar fraction
+    return not (spaced and unicodedata.category(spaced[0]) in NUMBER_CHARACTERS)
 
 
 def _parse(text: str, marker: str, lenient: bool) -> tuple[Decimal | None, str]:

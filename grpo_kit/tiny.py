@@ -325,7 +325,7 @@ def pretrain(spec: TinySpec, *, progress: bool = True):
     model = build_model(spec, len(tok))
     model.train()
     rng = random.Random(spec.seed)
-    n_problems = min(60000, spec.steps * spec.batch_size // 2)
+    n_problems = max(spec.batch_size, min(60000, spec.steps * spec.batch_size // 2))  # steps=1 still fills a batch
     if spec.task == "multiply":
         problems = _pretrain_problems(n_problems, spec.seed, spec)
     else:

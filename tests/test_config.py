@@ -37,6 +37,7 @@ def test_overrides_are_flat_and_validated():
         ({"policy_loss": "ppo"}, r"policy_loss must be one of \['cispo', 'grpo', 'gspo'"),  # names the registry
         ({"advantage": "gae"}, r"advantage must be one of \[.*'rloo'"),  # no critic, no GAE
         ({"engine": "sglang"}, "engine must be one of"),
+        ({"stop": ("\n\n", "")}, "stop strings must be non-empty"),  # review: "" cut every multi-turn turn to one token
         ({"temperature": 0.0}, r"temperature must be in \[0.01, inf\)"),  # greedy is engine.greedy(), not a temperature
         ({"temperature": 0.005}, "vLLM samples below 0.01 at 0.01"),  # review finding: vLLM raises it to 0.01
         ({"temperature": float("inf")}, r"temperature must be in \[0.01, inf\)"),

@@ -310,3 +310,13 @@ def test_a_version_published_anew_is_never_served_from_the_old_weights(engine, s
     again = engine.generate(problems[:6], 6, 5, max_new_tokens=MAX_NEW, seed=0)
     assert_aligned(dlogp(scorer(tiny_path, AdapterStore(store.root), 5), again))
     assert [r.completion_ids for r in again] != [r.completion_ids for r in first]
+
+
+def test_an_empty_stop_string_stops_nothing_in_sample_ids(engine, problems):
+    """Review finding: "" is in every text, so sample_ids ended every row after one token (generate
+    already ignored it)."""
+    prompt = engine.tokenizer.encode("Question: 1 + 1?\nAnswer:\n")
+    kw = dict(seeds=[3], max_new_tokens=[12], temperature=1.0)
+    (plain,) = engine.sample_ids([prompt], **kw)
+    (empty,) = engine.sample_ids([prompt], stop=("",), **kw)
+    assert empty.ids == plain.ids and len(plain.ids) > 1

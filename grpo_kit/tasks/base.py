@@ -322,7 +322,10 @@ class Scorer:
             self._pool.shutdown(wait=False)  # the hung thread keeps one pool; the next call gets a new one
             self._pool = None
             return None, f"timed out after {self.timeout_s:g} s"
-        except Exception as e:  # a user's reward function: any error is this batch's failure, recorded
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a user's reward: any error (SystemExit, an async reward's
+            # CancelledError too) is this batch's failure, recorded
             return None, f"raised {type(e).__name__}: {e}"[:300]
         finally:
             stage.closed = True
@@ -486,8 +489,8 @@ def _value(x) -> tuple[float | None, str | None]:
         return None, f"returned {type(x).__name__} {x!r:.40}, not a number"
     try:
         v = float(x)
-    except (TypeError, ValueError):
-        return None, f"returned {x!r:.40}, not a number"
+    except (TypeError, ValueError, OverflowError):  # 10**400, a huge Fraction: not a float
+        return None, f"returned {str(x)[:40]!r}, not a number a float holds"
     if math.isnan(v):  # TRL's "did not apply" after it converts None to NaN
         return None, None
     if not math.isfinite(v):

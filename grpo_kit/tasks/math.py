@@ -159,6 +159,33 @@ def final_answer(text: str) -> str:
     return text[at + len(MARKER):].lstrip().split("\n", 1)[0].strip().strip("*`")
 
 
+_LAST_NUMBER = re.compile(r"\d[\d.,]*\s*\S?")
+
+
+def read_span(text: str) -> str:
+    """Where math-verify finds the answer of a completion without a ``####`` line, for the unreadable-
+    character check: the last ``\\boxed{...}``, else the last ``$...$``, else the last number with the
+    character after it (so ``m²`` or ``½`` elsewhere in the reasoning does not void a right answer,
+    while ``18½`` and ``18 ½`` in the answer do).
+
+    >>> [read_span(t) for t in ("x² = 81 so x = \\\\boxed{9}.", "½ of 36 is $18$", "she has 18 ½ cups", "9 m² in all")]
+    ['\\\\boxed{9}', '$18$', '18 ½', '9 m']
+    """
+    at = text.rfind("\\boxed")
+    if at >= 0:
+        depth, i = 0, text.find("{", at)
+        for j in range(max(i, at), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0 and j >= i >= 0:
+                return text[at: j + 1]
+        return text[at:]
+    dollars = [i for i, ch in enumerate(text) if ch == "$"]
+    if len(dollars) >= 2:
+        return text[dollars[-2]: dollars[-1] + 1]
+    numbers = list(_LAST_NUMBER.finditer(text))
+    return numbers[-1].group() if numbers else ""
+
+
 def _gold_text(gold: str) -> str:
     g = final_answer(str(gold)).strip()
     # A bare answer ("1000", "\\frac{1}{2}", "(1, 2)"): math-verify reads all of it as LaTeX only between
@@ -209,19 +236,19 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
             out.append(RewardResult(0.0, None, "empty completion"))
             continue
         pred = final_answer(c)
-        if unreadable_number(pred):
+        if unreadable_number(pred if MARKER in c else read_span(c)):
             out.append(RewardResult(0.0, None, f"unreadable number in the answer: {pred[:20]!r}"))
             continue
         if MARKER in c and stray_commas(pred):  # "#### 1,2345": math-verify would read 1234
             out.append(RewardResult(0.0, None, f"malformed number after {MARKER!r}: {pred[:20]!r}"))
             continue
-        if MARKER in c and "\\boxed" not in pred and "$" not in pred:
-            if not _WORD.search(pred):  # a bare expression, read whole as the gold is ("2^{5}" is 32, not 2)
-                pred = f"${pred}$"
-            elif len(_NUMBER.findall(pred)) > 1:  # "#### 12 or 13": math-verify would read the last
-                out.append(RewardResult(0.0, None, f"more than one number among words after {MARKER!r}: "
-                                                   f"{pred[:40]!r}"))
-                continue
+        bare = pred.replace("\\boxed", " ").replace("$", " ")  # "#### 12 or \\boxed{13}" hedges too
+        if MARKER in c and _WORD.search(bare) and len(_NUMBER.findall(bare)) > 1:
+            # "#### 12 or 13": math-verify would read the last
+            out.append(RewardResult(0.0, None, f"more than one number among words after {MARKER!r}: {pred[:40]!r}"))
+            continue
+        if MARKER in c and "\\boxed" not in pred and "$" not in pred and not _WORD.search(pred):
+            pred = f"${pred}$"  # a bare expression, read whole as the gold is ("2^{5}" is 32, not 2)
         ans = v.check(pred, _gold_text(g), timeout_s)
         parsed = _as_float(ans.get("value"))
         if parsed is None and ans.get("pred") is not None:  # a symbolic answer ("x + 1", an interval): its
