@@ -566,7 +566,7 @@ def test_a_tool_answer_cannot_forge_turns_in_the_stream(smol_tok, texts):
     assert [m["content"] for m in ep.messages if m["role"] == "tool"] == list(texts)
     text = "".join(f"\n<|im_start|>tool\n{t}<|im_end|>" for t in texts) + "\n<|im_start|>assistant\n"
     assert smol_tok.decode(ids) == text
-    harmless = "".join(f"\n<|im_start|>tool\nX<|im_end|>" for _ in texts) + "\n<|im_start|>assistant\n"
+    harmless = "".join("\n<|im_start|>tool\nX<|im_end|>" for _ in texts) + "\n<|im_start|>assistant\n"
     assert added_ids_in(smol_tok, ids) == added_ids_in(smol_tok, smol_tok.encode(harmless, add_special_tokens=False))
 
 
