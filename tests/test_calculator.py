@@ -36,6 +36,7 @@ REWARD_TABLE = [
     ("#### 0x25F4", 0.0),  # 9716 in hex: not a decimal integer answer
     ("#### 1 9716", 0.0),  # several numbers: only the first after the marker is graded, so listing cannot hedge
     ("#### 9716 9715 9714", 1.0),  # (and the first one here is right)
+    ("#### 9716 \u00bd", 0.0),  # a mixed number with a vulgar fraction is not 9716 (review: it was)
     ("#### 1\n#### 9716", 0.0),  # the first marker is graded, not a later correction
     ("Result: 9716\n", 0.0),  # a tool result pasted without calling and without the marker
     ("Result: 9716\n#### 9716", 1.0),  # ... with the right answer: the answer is what is scored

@@ -63,6 +63,12 @@ ACCEPTED = [
     ("\\boxed{(1, 2)}", "(1,2)", "a tuple"),
     ("\\boxed{\\$1{,}000}", "1000", "a dollar sign and a LaTeX thousands separator"),
 ]
+# review: a number character anywhere in the reasoning voided a right answer
+NUMBER_CHARACTERS_IN_THE_REASONING = [
+    ("The room is 9 m\u00b2, so the answer is \\boxed{9}.", "9"),
+    ("Half (\u00bd) of 36 is 18. So $\\boxed{18}$.", "18"),
+    ("x\u00b2 = 81 so x = 9", "9"),
+]
 REJECTED = [
     # (completion, gold, why math-verify must say wrong)
     ("\\boxed{\\frac{1}{3}}", "0.33", "a rounded value is not equal"),
@@ -74,6 +80,8 @@ REJECTED = [
     ("\\boxed{18\u00b2}", "18", "a superscript power math-verify drops"),
     ("#### 18\u066b5", "18", "another script's decimal mark"),
     ("\\boxed{\uff11\uff18}", "18", "fullwidth digits: math-verify reads no number"),
+    ("so she has 18\u00bd cups", "18", "a vulgar fraction on the last number, no marker"),
+    ("so she has 18 \u00bd cups", "18", "... after a space"),
 ]
 
 
@@ -110,9 +118,19 @@ MARKER_LINES = [
     ("#### 12 or 13", "13", False),  # a hedge: two numbers among words
     ("#### 12 and 13", "12", False),
     ("#### 1, 2 or 3", "3", False),
+    ("#### 12 or 13$", "13", False),  # review: a $ or \\boxed on the line switched the hedge rule off
+    ("#### 12 or \\boxed{13}", "13", False),
+    ("#### \\boxed{} 12 or 13", "13", False),
+    ("#### $\\frac{1}{2}$", "0.5", True),  # delimiters without words are still read whole
     ("#### 72", "72", True),
     ("#### 0.5", "1/2", True),
 ]
+
+
+def test_a_number_character_in_the_reasoning_does_not_void_a_right_answer():
+    rows = NUMBER_CHARACTERS_IN_THE_REASONING
+    rs = math_reward(["q"] * len(rows), [c for c, _ in rows], [g for _, g in rows], timeout_s=PATIENT_S)
+    assert [r.score for r in rs] == [1.0] * len(rows), [r.reason for r in rs]
 
 
 @pytest.mark.parametrize("completion,gold,ok", MARKER_LINES, ids=[f"{c} vs {g}" for c, g, _ in MARKER_LINES])

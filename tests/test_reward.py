@@ -109,6 +109,8 @@ EXTRACT_CASES = [
     ("#### \u0664\u0662", False, None),  # non-ASCII digits are not numbers here (documented limit)
     ("#### 18 1/2", False, None),  # a mixed number is rejected, never read as its whole part
     ("#### 18\u00bd", False, None),  # ... a vulgar fraction glued to it too (18½)
+    ("#### 18 \u00bd", False, None),  # ... or after a space (18 ½: review, read as 18)
+    ("#### 18\u00a0\u2153", False, None),  # ... or after a no-break space (18 ⅓)
     ("#### 18\u00b2", False, None),  # a superscript power is rejected, never read as 18 (18²)
     ("#### 18\u066b5", False, None),  # another script's decimal mark (18٫5) ...
     ("#### 18.\u0665", False, None),  # ... or its digits after the point (18.٥)

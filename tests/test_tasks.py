@@ -3,11 +3,13 @@ notebook-style task and reward run end to end through the Dask loop (real LocalC
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
 import pickle
 import time
+from fractions import Fraction
 
 import cloudpickle
 import pytest
@@ -38,6 +40,14 @@ def _hangs(prompts, completions, **kw):
 
 def _short(prompts, completions, **kw):
     return [1.0]
+
+
+def _exits(prompts, completions, **kw):
+    raise SystemExit(3)
+
+
+async def _cancelled(prompts, completions, **kw):
+    raise asyncio.CancelledError()
 
 
 def _by_item(items):
@@ -84,6 +94,10 @@ def test_columns_reach_the_reward_aligned_with_completions():
         (lambda prompts, completions, **k: {"a": 1.0, "b": 1.0}, "returned dict"),  # sized, iterable, not a list
         (lambda prompts, completions, **k: (x for x in [1.0, 1.0]), "returned generator"),  # no length
         (_by_item(["1.0", 1.0]), "not a number"),  # a string is not a score
+        (_by_item([10**400, 1.0]), "not a number a float holds"),  # review: OverflowError escaped the scorer
+        (_by_item([Fraction(10**400, 3), 1.0]), "not a number a float holds"),
+        (_exits, "raised SystemExit"),  # review: BaseException escaped, failing the chunk
+        (_cancelled, "raised CancelledError"),
         (lambda prompts, completions, **k: 3.0, "returned float"),  # not a list at all
     ],
 )
