@@ -47,9 +47,12 @@ Landlock), the run goes ahead without it and :attr:`SandboxResult.isolation` lis
 were in force; :func:`probe` says which are available here. Without a network namespace and
 without Landlock's TCP rules the program can reach the network; without a PID namespace and
 Landlock's signal scope it can signal processes of the same uid (and so end the tests' process
-early, which fails them); without a fresh ``/proc`` and Landlock it reads the host's. The
-process-level limits (time, memory, processes, output) hold everywhere. This contains accidents and
-reward hacking (``exit(0)``, runaway loops, fork bombs, forged verdicts, objects that equal
+early, which fails them); without a fresh ``/proc`` and Landlock it reads the host's; without a
+PID namespace a grandchild that calls ``setsid`` can outlive the time limit. The per-process limits
+(CPU time, address space, process count, file size, output) hold everywhere; they bound each
+process and each file, not their sum: there is no cgroup, so a sandbox may use up to
+``max_processes`` x ``memory_bytes`` of memory and write many files of ``max_file_bytes`` into the
+host's temporary directory until its time runs out. This contains accidents and reward hacking (``exit(0)``, runaway loops, fork bombs, forged verdicts, objects that equal
 anything); it is not a boundary against a determined attacker with a kernel exploit.
 """
 
