@@ -27,11 +27,19 @@ RUN_STATE = "run"
 """The run state's name in the store (``AdapterStore.write_json``)."""
 
 
-def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool) -> tuple[dict, list[MetricsRecord]]:
+def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool,
+            train_rows: str | None = None) -> tuple[dict, list[MetricsRecord]]:
     """The run state to start from and the records of the finished iterations, with the store and the
     run directory made consistent with them (the state written, records of unfinished iterations
-    dropped, recovered ones added). Without ``resume`` a store that already holds versions is an error."""
+    dropped, recovered ones added). Without ``resume`` a store that already holds versions is an error.
+    ``train_rows`` (:func:`rows_digest` of the training pool) is kept in the state; a resumed run whose
+    pool differs (the data file changed under the same task name and config) is refused."""
     state = load_state(store, run_id) if resume else None
+    if state is not None and train_rows is not None and state.get("train_rows") not in (None, train_rows):
+        raise ValueError(
+            "resume=True but the training rows differ from the run's (the task's data changed under the same name "
+            "and configuration), so the resumed iterations would draw other prompts than the run did. Nothing was "
+            "deleted; restore the data, or start a fresh run_dir / store_url")
     if state is None and resume and store.latest() is not None:
         # every run writes its state before it trains, so versions without one are another run's, or
         # a copy that lost state/: adopting them would delete those reconcile cannot chain from v1
@@ -57,6 +65,8 @@ def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool) -> 
             p.unlink(missing_ok=True)
         state = fresh_state(run_id)
     state = reconcile(state, store)
+    if train_rows is not None:
+        state["train_rows"] = train_rows
     save_state(store, state)
     records = [r for r in read_jsonl(files.metrics, stop_at_bad_line=True) if r["iteration"] < state["next_iteration"]]
     records += recovered_records(store, records, state)
@@ -83,6 +93,15 @@ def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
     d.pop("cluster")
     blob = json.dumps(d, sort_keys=True) + store_root
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def rows_digest(problems) -> str:
+    """A digest of a pool of :class:`~grpo_kit.data.Problem` rows: ids, prompts, golds and columns, in order."""
+    h = hashlib.sha256()
+    for p in problems:
+        h.update(json.dumps([p.id, p.question, p.gold, p.messages, p.columns], sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
 
 
 def fresh_state(run_id: str) -> dict:

@@ -166,7 +166,7 @@ def run(
     try:
         if worker_logs and client.cluster is not None:  # before the engines: their start-up output goes there too
             logs.route_worker_logs(client, logs.run_log_dir(run_dir), quiet=not progress)
-        state, records = checkpoint.restore(store, run_id, files, resume)
+        state, records = checkpoint.restore(store, run_id, files, resume, checkpoint.rows_digest(train_pool))
         files.config.write_text(json.dumps({**cfg.to_dict(), "task": task.describe(),
                                             **({"eval_sets": {n: t.describe() for n, t in more_sets.items()}}
                                                if more_sets else {})}, indent=1))

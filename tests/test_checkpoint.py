@@ -155,3 +155,32 @@ def test_a_fresh_start_removes_the_previous_summary(tmp_path):
     files.summary.write_text(json.dumps({"final_acc": 0.93}))
     checkpoint.restore(AdapterStore(str(tmp_path / "store")), "rid", files, resume=False)
     assert not files.summary.exists()
+
+
+def test_a_resume_on_other_training_rows_is_refused(tmp_path):
+    """Left from a review: the run id hashes the config and the task's description, not its rows, so
+    a data file changed under the same task name resumed and drew other prompts than the run had."""
+    import pytest
+
+    from grpo_kit import data
+    from grpo_kit.records import RunFiles
+
+    pool = data.synthetic_problems(20, split="train", seed=0)
+    edited = [*pool[:5], data.Problem(pool[5].id, pool[5].question, "999999"), *pool[6:]]
+    digest = checkpoint.rows_digest(pool)
+    assert digest == checkpoint.rows_digest(list(pool)) and digest != checkpoint.rows_digest(edited)
+    assert digest != checkpoint.rows_digest(pool[::-1])  # the order is what the draws index
+    store, files = AdapterStore(str(tmp_path / "store")), RunFiles(tmp_path / "run")
+    files.root.mkdir()
+    state, _ = checkpoint.restore(store, "rid", files, resume=False, train_rows=digest)
+    assert state["train_rows"] == digest
+    _publish(store, tmp_path, 1, iteration=0)
+    with pytest.raises(ValueError, match="training rows differ"):
+        checkpoint.restore(store, "rid", files, resume=True, train_rows=checkpoint.rows_digest(edited))
+    assert store.versions() == [1]
+    state, _ = checkpoint.restore(store, "rid", files, resume=True, train_rows=digest)
+    assert (state["version"], state["train_rows"]) == (1, digest)
+    # a run state written before the digest existed resumes, and keeps the digest from then on
+    store.write_json(checkpoint.RUN_STATE, {k: v for k, v in state.items() if k != "train_rows"})
+    state, _ = checkpoint.restore(store, "rid", files, resume=True, train_rows=digest)
+    assert state["train_rows"] == digest
