@@ -35,6 +35,7 @@ The options travel with the store when it is pickled to Dask workers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -293,8 +294,8 @@ class AdapterStore:
         self._check_process()
         if fresh:
             with self._version_lock(version):  # not while a fetch of this version reads its manifest
+                man = self._read_manifest(version)  # a read that raises keeps what this process knew
                 before = self._manifests.pop(version, None)
-                man = self._read_manifest(version)
                 if man is None or (before is not None and before.get("attempt") != man.get("attempt")):
                     self._forget(version)
                 if man is None:  # no listing here: callers on the hot path ask about a version that may be gone
@@ -366,23 +367,47 @@ class AdapterStore:
         avail = f"available: {shown}" if vs else "the store has no published versions"
         return VersionNotFoundError(f"adapter version {version} not found in {self.root} ({avail})")
 
-    def delete(self, version: int) -> None:
+    def delete(self, version: int, leftovers: bool = False) -> None:
         """Remove a published ``version`` (retention: :mod:`grpo_kit.retention`): the manifest first,
-        so the version stops existing before any of its files go, then its whole folder (every
-        attempt's files, a losing or crashed attempt's leftovers too). A missing version is a no-op.
+        so the version stops existing before any of its files go, then the files that manifest named
+        (its attempt's folder; an old layout's top-level files). Another attempt's folder is left: it
+        may be a publish of this version running now (a step retried while an orphan is deleted),
+        whose files a recursive removal would take from under its manifest. ``leftovers=True`` (for
+        retention, long past any publish of ``version``) removes the whole folder, a crashed
+        attempt's leftovers too (a losing attempt removes its own). A missing version is a no-op.
         This process forgets its copy; copies other processes fetched stay in their caches until
         evicted, or until a fresh read of the manifest there finds the version gone or replaced."""
         vpath = self._version_path(version)
-        man = f"{vpath}/{MANIFEST}"
         self.fs.invalidate_cache(vpath)
-        if self.fs.exists(man):
-            self.fs.rm_file(man)
+        removed = self._read_manifest(version)
+        if removed is not None:
+            self.fs.rm_file(f"{vpath}/{MANIFEST}")
         with self._version_lock(version):
             self._forget(version)
+        attempt = (removed or {}).get("attempt")
+        if leftovers:
+            try:
+                self.fs.rm(vpath, recursive=True)
+            except FileNotFoundError:
+                pass
+            self.fs.invalidate_cache(vpath)
+            return
         try:
-            self.fs.rm(vpath, recursive=True)
+            entries = self.fs.ls(vpath, detail=True)
         except FileNotFoundError:
-            pass
+            entries = []
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            try:
+                if entry.get("type") == "directory" and attempt is not None and name == attempt:
+                    self.fs.rm(f"{vpath}/{name}", recursive=True)
+                elif entry.get("type") != "directory" and name != MANIFEST:  # an old layout's files
+                    self.fs.rm_file(f"{vpath}/{name}")
+            except FileNotFoundError:
+                pass
+        if self._local:  # an empty folder left on disk (object stores have none); a publish recreates it
+            with contextlib.suppress(OSError):
+                os.rmdir(vpath)
         self.fs.invalidate_cache(vpath)
 
     # ---- fetching --------------------------------------------------------------------------------

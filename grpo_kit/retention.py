@@ -40,14 +40,15 @@ def kept(version: int, latest: int, keep_versions: int, keep_every: int) -> bool
     return version > latest - keep_versions or (keep_every > 0 and version % keep_every == 0)
 
 
-def delete_version(store: AdapterStore, version: int) -> bool:
-    """Delete ``version`` from ``store``: the adapter (manifest first, :meth:`AdapterStore.delete`),
-    then the optimizer state its manifest names. Returns False if it was not there."""
+def delete_version(store: AdapterStore, version: int, leftovers: bool = False) -> bool:
+    """Delete ``version`` from ``store``: the adapter (manifest first, :meth:`AdapterStore.delete`;
+    ``leftovers``: every attempt's files, for versions no step can be publishing now), then the
+    optimizer state its manifest names. Returns False if it was not there."""
     try:
         meta = store.manifest(version).get("meta", {})
     except VersionNotFoundError:
         return False
-    store.delete(version)
+    store.delete(version, leftovers=leftovers)
     state = meta.get(OPTIMIZER_STATE_KEY)
     if state:
         store.delete_state(state)
@@ -76,7 +77,7 @@ class Pruner:
             self.deferred.add(version)
             return
         self.deferred.discard(version)
-        if delete_version(self.store, version):
+        if delete_version(self.store, version, leftovers=True):  # old versions: no publish of them runs
             self.deleted.append(version)
 
     def after_commit(self, latest: int, protect: Iterable[int] = ()) -> None:

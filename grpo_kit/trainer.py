@@ -26,6 +26,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -390,8 +391,14 @@ def train_rank(spec: RankSpec, samples: list, version: int, iteration: int) -> d
         state.saved_states.append(optimizer_state_name(version + 1, attempt))
         # keep the last three this process wrote: a driver that stops takes back up to two versions
         # published past the one it committed (gang.TrainerGang.withdraw), whose state must stay
-        while len(state.saved_states) > 3:
-            state.store.delete_state(state.saved_states.pop(0))
+        while len(state.saved_states) > 3:  # clean-up after the commit: a failure here must not fail the step
+            try:
+                state.store.delete_state(state.saved_states[0])
+            except Exception as e:  # noqa: BLE001 - a transient store error; the next step tries again
+                warnings.warn(f"could not delete the old optimizer state {state.saved_states[0]!r} ({type(e).__name__}: "
+                              f"{e}); v{version + 1} is published, a later step retries", RuntimeWarning, stacklevel=2)
+                break
+            state.saved_states.pop(0)
     adopted = outcome == ADOPTED
     t_end = time.time()
     with torch.no_grad():  # cheap fingerprint: the driver checks that ranks hold the same weights

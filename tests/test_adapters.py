@@ -236,7 +236,9 @@ def test_losing_attempts_late_upload_leaves_the_committed_version_intact(make_st
     check_committed(resumed)
     assert len(stored_files(a, 3)) == 1 + 2 * n  # B's leftovers are in the store beside A's files
 
-    resumed.delete(3)  # retention: every attempt's files go, the leftovers too
+    resumed.delete(3)  # a frontier delete: the manifest and its attempt's files; another attempt's stay
+    assert len(stored_files(resumed, 3)) == n and resumed.versions() == []
+    resumed.delete(3, leftovers=True)  # retention: every attempt's files go, the leftovers too
     assert stored_files(resumed, 3) == [] and resumed.versions() == []
 
 
@@ -547,3 +549,83 @@ def test_a_version_published_anew_never_replaces_a_copy_another_holder_reads(ada
     assert {n: open(os.path.join(old, n), "rb").read() for n in os.listdir(old)} == before  # a's copy untouched
     assert a.attempt(5) == b.attempt(5) and a.fetch(5) == new  # a fresh read moves a to the new attempt's copy
     assert not os.path.exists(old)  # ... and its old copy, held by nobody now, is gone
+
+
+def _adapter_dir(root, name: str, payload: bytes) -> str:
+    d = os.path.join(root, name)
+    os.makedirs(d)
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        f.write(json.dumps({"r": 1}))
+    with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
+        f.write(payload)
+    return d
+
+
+def test_a_delete_does_not_take_the_files_of_a_publish_of_the_same_version_running_meanwhile(tmp_path):
+    """Review finding: delete removed the manifest, then the whole version folder; a publish of the
+    same version that uploaded in between had its files removed from under its manifest, leaving a
+    version that exists but can never be fetched (or republished)."""
+    root = str(tmp_path / "store")
+    deleter = AdapterStore(root, cache_dir=str(tmp_path / "a"))
+    publisher = AdapterStore(root, cache_dir=str(tmp_path / "b"))
+    deleter.publish_dir(_adapter_dir(str(tmp_path), "orphan", b"old" * 10), 5)
+    uploaded, removed = threading.Event(), threading.Event()
+    write = publisher._write_bytes
+
+    def manifest_after_the_delete(path, data, exclusive=False):
+        if path.endswith("manifest.json"):  # the new attempt's files are uploaded; its manifest comes next
+            uploaded.set()
+            removed.wait(10)
+        return write(path, data, exclusive)
+
+    publisher._write_bytes = manifest_after_the_delete
+    out = {}
+    racer = threading.Thread(target=lambda: out.setdefault("v", publisher.publish_dir(
+        _adapter_dir(str(tmp_path), "new", b"new" * 10), 5)))
+    fs, rm_file = deleter.fs, deleter.fs.rm_file
+
+    class Fs:  # the publish uploads once the old manifest is gone, before its files are removed
+        def __getattr__(self, name):
+            return getattr(fs, name)
+
+        def rm_file(self, path):
+            rm_file(path)
+            if path.endswith("manifest.json"):
+                racer.start()
+                uploaded.wait(10)
+
+    deleter.fs = Fs()
+    deleter.delete(5)
+    removed.set()
+    racer.join()
+    reader = AdapterStore(root, cache_dir=str(tmp_path / "c"))
+    with open(os.path.join(reader.fetch(5), "adapter_model.safetensors"), "rb") as f:
+        assert f.read() == b"new" * 10
+
+
+def test_a_failed_fresh_read_keeps_what_the_process_knew_of_a_version(tmp_path):
+    """Review finding: a fresh manifest read dropped the cached manifest before reading; when the
+    read failed (an S3 503), the fetched copy stayed without it, so once the version was deleted and
+    published anew the next fresh read saw no change and fetch served the old attempt's weights."""
+    root = str(tmp_path / "store")
+    driver, worker = AdapterStore(root), AdapterStore(root, cache_dir=str(tmp_path / "w"))
+    driver.publish_dir(_adapter_dir(str(tmp_path), "a1", b"OLD" * 10), 5)
+    worker.fetch(5)
+    fs = worker.fs
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(fs, name)
+
+        def cat_file(self, *a, **kw):
+            raise OSError("503 SlowDown")
+
+    worker.fs = Flaky()
+    with pytest.raises(OSError, match="503"):
+        worker.attempt(5)
+    worker.fs = fs
+    driver.delete(5)
+    driver.publish_dir(_adapter_dir(str(tmp_path), "a2", b"NEW" * 10), 5)
+    assert worker.attempt(5) == driver.attempt(5)
+    with open(os.path.join(worker.fetch(5), "adapter_model.safetensors"), "rb") as f:
+        assert f.read() == b"NEW" * 10

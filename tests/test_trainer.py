@@ -201,3 +201,30 @@ def test_every_rank_adopts_the_version_an_earlier_attempt_published(tmp_path):
     assert "store unreachable" in ranks[0]["failed"] and "rank 0 failed to publish" in ranks[1]["failed"]
     assert [r["version_after_failure"] for r in ranks] == [None, None]  # reloaded from the store on retry
     assert store.versions() == [1, 2]
+
+
+def test_a_failed_clean_up_after_the_publish_does_not_fail_the_step(tiny_path, tmp_path):
+    """Review finding: deleting an old optimizer state (housekeeping, after v+1 was committed) raised on
+    a transient store error, failing a step that had published (a gang restart; three in a run, and the
+    run failed), and the name was dropped so no later step deleted that state."""
+    from grpo_kit.adapters import AdapterStore
+
+    tiny = tiny_path
+    spec = make_spec(tiny, str(tmp_path / "store"), lr=1e-2)
+    store = AdapterStore(spec.store_root)
+    for v in range(3):
+        trainer.train_rank(spec, make_samples(tiny, 4), v, v)
+    state = trainer.get_state(spec)
+    first = store.manifest(1)["meta"]["optimizer_state"]
+    real = state.store.delete_state
+
+    def flaky(name):
+        raise OSError("503 SlowDown")
+
+    state.store.delete_state = flaky
+    with pytest.warns(RuntimeWarning, match="could not delete the old optimizer state"):
+        trainer.train_rank(spec, make_samples(tiny, 4), 3, 3)
+    state.store.delete_state = real
+    assert store.versions() == [1, 2, 3, 4] and state.version == 4 and store.state_exists(first)
+    trainer.train_rank(spec, make_samples(tiny, 4), 4, 4)  # the next step deletes what was left
+    assert not store.state_exists(first) and len(state.saved_states) == 3
