@@ -87,8 +87,12 @@ class Evaluations:
         and, for another set than the task's own, its ``set``."""
         done = []
         for it, fut in list(self.pending):
-            if not block and self.retries.retry_lost([fut]):
-                continue  # resubmitted: its workers died (KilledWorker)
+            try:
+                if not block and self.retries.retry_lost([fut]):
+                    continue  # resubmitted: its workers died (KilledWorker)
+            except Exception as e:  # noqa: BLE001 - TasksLost: past max_task_failures, as gather raises it below
+                self.fail(it, fut, e)
+                continue
             if block or fut.done():
                 try:
                     res = self.retries.gather([fut])[0]
@@ -101,6 +105,14 @@ class Evaluations:
                 done.append(res)
                 self.pending.remove((it, fut))
         return done
+
+    def cancel(self) -> None:
+        """Cancel the evaluations still pending (a run that stops: the run state keeps them for a resume)."""
+        futures = [f for _, f in self.pending]
+        self.pending.clear()
+        self.set_of.clear()
+        if futures:
+            self.client.cancel(futures)
 
     def fail(self, it: int, fut, e: Exception) -> None:
         """Record and warn of a failed evaluation and drop it: raised out of :meth:`collect`, it aborted

@@ -214,9 +214,9 @@ def run(
                 _take_back(driver, progress)
             if driver is not None:  # its generations ahead would hold the workers a resumed run needs
                 try:
-                    driver.cancel_pending()
+                    driver.abandon()
                 except Exception as e:  # never masking the run's own error
-                    warnings.warn(f"could not cancel the generations in flight: {e!r}", stacklevel=2)
+                    warnings.warn(f"could not cancel the generations and evaluations in flight: {e!r}", stacklevel=2)
         finally:  # a second interrupt while a step is waited for still closes the gang and the cluster
             try:
                 if gang is not None:
@@ -502,7 +502,8 @@ class _Driver:
         if cfg.sampling.dynamic_sampling:
             results, picked, dyn = self.fill_usable(it, results, pend.scored, pend.n)
             t_gen_done = time.time()
-            for j in ahead:  # after the selection: the next batch's over-sampling counts the groups carried into it
+            for j in ahead:  # after the selection: the next batch's over-sampling counts the groups carried
+                # into it (the batch right after this one; deeper ones were submitted before their carry was known)
                 self.submit_generation(j)
         # the batch to train on (``picked``: dynamic sampling's usable groups; None: all of ``results``)
         rollouts = summaries_of(results)
@@ -670,6 +671,15 @@ class _Driver:
         if futures:
             self.client.cancel(futures)
         self.retries.release_before(1 << 62)
+
+    def abandon(self) -> None:
+        """A failed or interrupted run: :meth:`cancel_pending`, and cancel the evaluations still running
+        and let go of the carried groups' chunks (the run state names both: a resumed run submits the
+        evaluations again and regenerates the chunks), which would otherwise hold engine slots and
+        worker memory for as long as the driver is referenced (a notebook's traceback)."""
+        self.cancel_pending()
+        self.evals.cancel()
+        self.carry, self.carry_specs = [], []
 
     def finish(self, preflight: dict | None = None) -> dict:
         """Final evaluation (blocking), summary.json (with the pre-flight sweep's figures, if one ran)."""

@@ -288,7 +288,8 @@ class MetricsRecord(TypedDict, total=False):
     carried_out_groups: int
     """Usable groups carried over to the next iteration."""
     expired_groups: int
-    """Carried groups dropped as too stale."""
+    """Usable groups not trained and not carried: carried-in groups too stale to train, and surplus
+    of this batch that would be too stale by the next (:func:`grpo_kit.sampling.select_groups`)."""
     # completions
     truncated: int
     """Completions that hit the token budget."""

@@ -42,3 +42,62 @@ def test_a_pending_evaluations_version_comes_from_its_key():
 
     assert evals.version_of(Fut("abc-12-eval-sums-v4-3-v17")) == 17
     assert evals.version_of(Fut("abc-eval--1-v0")) == 0
+
+
+def test_an_evaluation_lost_past_the_retry_budget_loses_its_number_not_the_run():
+    """Review finding: between iterations (collect without blocking) the lost-task check ran outside
+    the error handling, so an evaluation whose workers kept dying (TasksLost past max_task_failures)
+    aborted the run before the trained step was committed; the blocking path recorded it."""
+    import warnings
+
+    from distributed.scheduler import KilledWorker
+
+    from grpo_kit import remote
+
+    class Lost:  # a Dask future whose workers died
+        key, status = "run-eval-3-v4", "error"
+
+        def done(self):
+            return True
+
+        def exception(self):
+            return KilledWorker(self.key, "tcp://w", None)
+
+    class Client:
+        def gather(self, futures):
+            raise KilledWorker(Lost.key, "tcp://w", None)
+
+        def retry(self, futures):
+            pass
+
+    for block in (False, True):
+        ev = evals.Evaluations.__new__(evals.Evaluations)
+        ev.retries = remote.TaskRetries(Client(), max_failures=0)  # the budget is spent
+        ev.pending, ev.errors, ev.set_of = [(3, Lost())], [], {}
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            assert ev.collect(block=block) == []
+        errors = ev.take_errors()
+        assert ev.pending == [] and [(e["iteration"], e["version"]) for e in errors] == [(3, 4)]
+        assert "TasksLost" in errors[0]["error"], errors
+
+
+def test_a_stopped_run_cancels_its_pending_evaluations():
+    """Review finding: a failed run cancelled its generations in flight but not its evaluations, which
+    kept engine slots while a resumed run submitted them again (the run state names them)."""
+    cancelled = []
+
+    class Client:
+        def cancel(self, futures):
+            cancelled.extend(futures)
+
+    class Fut:
+        def __init__(self, key):
+            self.key = key
+
+    ev = evals.Evaluations.__new__(evals.Evaluations)
+    ev.client = Client()
+    a, b = Fut("run-eval-3-v4"), Fut("run-eval-3-v4-more")
+    ev.pending, ev.set_of, ev.errors = [(3, a), (3, b)], {b.key: "more"}, []
+    ev.cancel()
+    assert cancelled == [a, b] and ev.pending == [] and ev.set_of == {}
