@@ -59,10 +59,13 @@ class Evaluations:
         until :meth:`take_errors`: a failed evaluation loses its number, not the run."""
         self.set_of: dict = {}  # an evaluation future's key -> its set's name (the task's own: absent)
 
-    def submit(self, iteration: int, version: int) -> None:
-        """Evaluate ``version`` on every set (``iteration``: the one whose step published it; -1 for the base)."""
+    def submit(self, iteration: int, version: int, only=None) -> None:
+        """Evaluate ``version`` on every set (``only``: these set names; None names the task's own)
+        (``iteration``: the one whose step published it; -1 for the base)."""
         r = self.cfg.run
         for name, probs, scorer, episodes in self.sets:
+            if only is not None and name not in only:
+                continue
             tag = f"-{name}" if name is not None else ""
             fut = self.client.submit(remote.eval_task, probs, version, self.cfg.sampling.max_new_tokens, scorer,
                                      episodes=episodes, samples=r.eval_samples, temperature=r.eval_temperature,
@@ -77,6 +80,11 @@ class Evaluations:
         """The (iteration, version) pairs whose evaluations are pending (every set's at once), for the
         run state: a resumed run submits them again (the results would otherwise be lost)."""
         return sorted({(it, version_of(f)) for it, f in self.pending})
+
+    def missing(self, version: int, results) -> list:
+        """The names of the sets (None: the task's own) without a result for ``version`` among ``results``."""
+        have = {r.get("set") for r in results if r.get("version") == version}
+        return [name for name, *_ in self.sets if name not in have]
 
     def versions(self) -> set[int]:
         """The adapter versions pending evaluations read (retention keeps them)."""

@@ -459,10 +459,10 @@ class _Driver:
             self.restore_carry()
         self.submit_generation(start)
         if cfg.run.eval_every > 0:  # those a stopped run left pending (saved with its commits), and the base's
-            done = {e["version"] for e in self.state["evals"] if "set" not in e}
-            for it, version in self.state.get("evals_pending") or []:
-                if version not in done and version not in self.evals.versions():
-                    self.evals.submit(it, version)
+            for it, version in self.state.get("evals_pending") or []:  # on the sets without a result for it
+                missing = self.evals.missing(version, self.state["evals"])
+                if missing and version not in self.evals.versions():
+                    self.evals.submit(it, version, only=missing)
             if self.state["base_acc"] is None and 0 not in self.evals.versions():
                 self.evals.submit(-1, 0)
         for it in range(start, cfg.run.iterations):

@@ -101,3 +101,31 @@ def test_a_stopped_run_cancels_its_pending_evaluations():
     ev.pending, ev.set_of, ev.errors = [(3, a), (3, b)], {b.key: "more"}, []
     ev.cancel()
     assert cancelled == [a, b] and ev.pending == [] and ev.set_of == {}
+
+
+def test_a_resumed_run_evaluates_each_pending_version_on_the_sets_without_a_result():
+    """Review finding: the run state's pending evaluations are (iteration, version) for every set, but
+    the resume checked the task's own set only: a version whose own result was in and another set's
+    was not was never evaluated there (that set's acc_after None), and the converse ran twice."""
+    from grpo_kit import config
+
+    submitted = []
+
+    class Client:
+        def submit(self, fn, *args, key, **kw):
+            submitted.append(key)
+            return type("Fut", (), {"key": key})()
+
+    ev = evals.Evaluations.__new__(evals.Evaluations)
+    ev.client, ev.cfg, ev.key, ev.seed, ev.role = Client(), config.profile("tiny"), "run", 0, "rollout"
+    ev.sets = [(None, [], None, None), ("sums4", [], None, None)]
+    ev.pending, ev.set_of, ev.errors = [], {}, []
+    own_in = [{"version": 0, "acc": 0.1}, {"version": 2, "acc": 0.3}]
+    other_in = [{"version": 2, "acc": 0.2, "set": "sums4"}]
+    assert ev.missing(2, own_in) == ["sums4"] and ev.missing(2, other_in) == [None]
+    assert ev.missing(2, own_in + other_in) == [] and ev.missing(4, own_in) == [None, "sums4"]
+    ev.submit(1, 2, only=ev.missing(2, own_in))
+    ev.submit(1, 2, only=ev.missing(2, other_in))
+    ev.submit(3, 4)
+    assert submitted == ["run-eval-sums4-1-v2", "run-eval-1-v2", "run-eval-3-v4", "run-eval-sums4-3-v4"]
+    assert ev.set_of == {"run-eval-sums4-1-v2": "sums4", "run-eval-sums4-3-v4": "sums4"}
