@@ -25,8 +25,12 @@ Figures (means over the measured iterations):
   batch's generation (``RunConfig.train_ahead=True``); the same figures with each step submitted in
   its turn, after the driver has read the batch's summaries (``train_ahead=False``), end in
   ``_in_turn``. With ``--repeats R`` the two pipelined runs alternate R times (ahead first, then in
-  turn first, ...) and each figure is the median over repeats; the load average before and after
-  is printed.
+  turn first, ...). P1, P2, P3, the lockstep floor, the fixed-cost share and the gang's share are
+  each run's own (its iteration over its own generation and training), then the median over
+  repeats (``*_runs`` lists every run's P1 and P3); the seconds printed are per-quantity medians.
+  (Until 2026-12-03 the ratios were taken of those per-quantity medians, which mixes runs: where
+  generation and training take turns being the longer side, that inflates P1 and P3, e.g. runs of
+  P1 1.036, 1.037 and 1.038 gave 1.077.) The load average before and after is printed.
 - driver_payload_bytes = token payload through the driver per iteration: the pickled size of every
   list of numbers held in a record (token ids, log-probs in a rollout dict or a trainer sample) in
   what the driver gathers from workers, scatters to them, or puts in a task's arguments, summed over both modes' iterations and divided by their number.
@@ -120,8 +124,33 @@ def lockstep_floor(recs: list[dict]) -> float:
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """Per-figure medians over repeated runs of one mode."""
+    """Per-quantity medians over repeated runs of one mode (seconds to print; ratios are per run: :func:`run_figures`)."""
     return {k: (statistics.median(r[k] for r in runs) if isinstance(v, float) else v) for k, v in runs[0].items()}
+
+
+def run_figures(run: dict, seq: dict) -> dict:
+    """One pipelined run's P1, P2, P3, lockstep floor, fixed-cost share and gang share, from its own
+    iteration, generation and training (``seq``: the sequential run, for P2's ideal)."""
+    longest = max(run["gen_s"], run["train_compute_s"])
+    ideal = (seq["gen_s"] + seq["train_compute_s"]) / max(seq["gen_s"], seq["train_compute_s"])
+    return {"p1": run["iter_s"] / longest, "p2": (seq["iter_s"] / run["iter_s"]) / ideal,
+            "p3": max(0.0, run["iter_s"] - longest) / run["iter_s"], "floor": run["pair_max_s"] / longest,
+            "fixed": max(0.0, run["iter_s"] - run["pair_max_s"]) / run["iter_s"],
+            "gang": (run["train_step_s"] - run["train_compute_s"] - run["publish_s"]) / run["train_compute_s"]}
+
+
+def median_figures(runs: list[dict], seq: dict) -> dict:
+    """The median over ``runs`` of each of :func:`run_figures`, and each run's P1 and P3 (``p1_runs``, ``p3_runs``).
+
+    >>> seq = {"gen_s": 1.0, "train_compute_s": 1.0, "iter_s": 2.0}
+    >>> runs = [{"gen_s": g, "train_compute_s": t, "iter_s": i, "pair_max_s": i, "train_step_s": t, "publish_s": 0.0}
+    ...         for g, t, i in ((1.0, 0.9, 1.036), (0.9, 1.0, 1.037), (0.95, 0.95, 0.986))]
+    >>> {k: round(v, 3) for k, v in median_figures(runs, seq).items() if k in ("p1", "p3")}  # mixed: 1.036 / 0.95 = 1.09
+    {'p1': 1.037, 'p3': 0.036}
+    """
+    each = [run_figures(r, seq) for r in runs]
+    return {**{k: statistics.median(f[k] for f in each) for k in each[0]},
+            "p1_runs": [f["p1"] for f in each], "p3_runs": [f["p3"] for f in each]}
 
 
 def idle_gaps(recs: list[dict]) -> dict:
@@ -171,15 +200,13 @@ def main() -> None:
     finally:
         cluster.shutdown(client)
 
-    # generation and training compute per iteration, each run's own
+    # generation and training compute per iteration (medians, to print); the ratios are each run's own
     gen, train = pipe["gen_s"], pipe["train_compute_s"]
-    longest = max(gen, train)
     ideal = (seq["gen_s"] + seq["train_compute_s"]) / max(seq["gen_s"], seq["train_compute_s"])
-    p1 = pipe["iter_s"] / longest
-    p2 = (seq["iter_s"] / pipe["iter_s"]) / ideal
-    p3 = max(0.0, pipe["iter_s"] - longest) / pipe["iter_s"]
+    fig, fig_turn = median_figures(runs[True], seq), median_figures(runs[False], seq)
+    p1, p2, p3 = fig["p1"], fig["p2"], fig["p3"]
     # the gang's own cost per step: dispatch, scatter, state check, stats return (publish is in P3)
-    gang = (pipe["train_step_s"] - pipe["train_compute_s"] - pipe["publish_s"]) / pipe["train_compute_s"]
+    gang = fig["gang"]
     print(f"\nbatch: {args.prompts_per_step} prompts x {args.group_size} completions, engine {args.engine}; "
           f"{args.iterations} measured + {args.warmup} warm-up iterations per mode ({elapsed:.0f}s in all)")
     print(f"{'mode':12s} {'iter_s':>8s} {'gen_s':>8s} {'train_s':>8s} {'step_s':>8s} {'publish_s':>9s}")
@@ -191,16 +218,16 @@ def main() -> None:
     print(f"P1 pipelined / max(gen, train)      = {p1:.3f}  (target <= 1.05)")
     print(f"P2 speedup as share of the ideal    = {p2:.1%}  (target >= 90%)")
     print(f"P3 overhead share of the iteration  = {p3:.1%}  (target <= 3%)")
-    floor = pipe["pair_max_s"] / longest
-    fixed = max(0.0, pipe["iter_s"] - pipe["pair_max_s"]) / pipe["iter_s"]
+    floor, fixed = fig["floor"], fig["fixed"]
     print(f"lockstep floor of P1                = {floor:.3f}  (mean of max(gen of batch i+1, training of batch i) / "
           f"max of the means: what jitter alone costs); the iteration beyond it: {fixed:.1%} (the fixed costs)")
     print(f"gang per-step overhead over compute = {gang:.1%}  (target <= 10%)")
     print(f"token payload through the driver    = {payload:,.0f} bytes per iteration")
     print(f"pipelined, medians between iterations: trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms from one step's "
           f"end to the next's start, rollout worker idle {pipe['rollout_idle_s'] * 1e3:.1f} ms between batches")
-    p1_turn = turn["iter_s"] / max(turn["gen_s"], turn["train_compute_s"])
-    p3_turn = max(0.0, turn["iter_s"] - max(turn["gen_s"], turn["train_compute_s"])) / turn["iter_s"]
+    p1_turn, p3_turn = fig_turn["p1"], fig_turn["p3"]
+    print(f"each run's P1 (ahead) {', '.join(f'{x:.3f}' for x in fig['p1_runs'])}; P3 "
+          f"{', '.join(f'{x:.1%}' for x in fig['p3_runs'])}")
     print(f"steps submitted ahead (train_ahead=True, default): iteration {pipe['iter_s']:.3f} s, P1 {p1:.3f}, "
           f"P3 {p3:.1%}, trainer idle {pipe['trainer_idle_s'] * 1e3:.1f} ms; in their turn (train_ahead=False): "
           f"iteration {turn['iter_s']:.3f} s, P1 {p1_turn:.3f}, P3 {p3_turn:.1%}, trainer idle "
@@ -214,6 +241,8 @@ def main() -> None:
         "p1_efficiency": round(p1, 4),
         "p2_share_of_ideal": round(p2, 4),
         "p3_overhead_share": round(p3, 4),
+        "p1_runs": [round(x, 4) for x in fig["p1_runs"]],
+        "p3_runs": [round(x, 4) for x in fig["p3_runs"]],
         "gang_overhead_share": round(gang, 4),
         "driver_payload_bytes": round(payload),
         "p1_lockstep_floor": round(floor, 4),
