@@ -10,8 +10,10 @@ Multi-turn side: ``--problems`` x ``--group-size`` episodes in one chunk (one
 answers, and the scripted :class:`~grpo_kit.testing.CallEveryTurn` parser (the tiny model never calls
 tools), so each episode plays up to ``--turns`` turns of at most ``--turn-tokens`` sampled tokens,
 its tool calls running in the runner's thread pool while other episodes' turns are sampled.
-Single-turn side: the same episodes' prompts, one turn each with the same per-turn limit, sampled by
-the same engine's ``sample_ids`` in calls of the same batch size (a fresh seed per row and call)
+Single-turn side: the same episodes' prompts, one turn each with the same per-turn limit and the same
+stop strings (the renderer's: the plain format's ``</call>``, so both sides detokenize and match
+them; until 2026-12-03 the single side had none), sampled by the same engine's ``sample_ids`` in
+calls of the same batch size (a fresh seed per row and call)
 until they hold at least as many model tokens as the multi-turn side did (on a repeat where the
 single side runs first, the previous repeat's multi-turn count: ``single_target_tokens``); no tools,
 no waiting.
@@ -150,12 +152,12 @@ def multi_turn(engine, problems, group_size: int, version: int, cfg: EpisodeConf
 
 
 def single_turn(engine, prompts: Sequence[Sequence[int]], version: int, turn_tokens: int, min_tokens: int,
-                iteration: int) -> dict:
+                iteration: int, stop: Sequence[str] = ()) -> dict:
     timed = Timed(engine)
     t0, c0, k = time.perf_counter(), time.process_time(), 0
     while k == 0 or sum(c["tokens"] for c in timed.calls) < min_tokens:
         seeds = [turn_seed(10_000 * iteration + k, i) for i in range(len(prompts))]
-        timed.sample_ids(prompts, seeds=seeds, max_new_tokens=[turn_tokens] * len(prompts), version=version)
+        timed.sample_ids(prompts, seeds=seeds, max_new_tokens=[turn_tokens] * len(prompts), version=version, stop=stop)
         k += 1
     return timed.totals("single_", time.perf_counter() - t0, time.process_time() - c0)
 
@@ -169,9 +171,10 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
     ratio's per-repeat values in ``multiturn_vs_single_tokens_per_s_all``) and the last repeat's profile."""
     cfg = episode_cfg or EpisodeConfig(max_turns=turns, max_turn_tokens=turn_tokens,
                                        max_episode_tokens=min(turns * (turn_tokens + 16), engine.max_model_len // 2))
+    stop = for_engine(engine).stop  # the turns' stop strings: the single side samples with them too
     if warmup:  # first calls load the adapter and touch every kernel
         mt = multi_turn(engine, problems[:2], 2, version, cfg, tool_latency_s, iteration=10_000)
-        single_turn(engine, mt["prompts"], version, cfg.max_turn_tokens, 1, iteration=10_000)
+        single_turn(engine, mt["prompts"], version, cfg.max_turn_tokens, 1, iteration=10_000, stop=stop)
     reps: list[dict] = []
     for rep in range(repeats):
         mt = st = None
@@ -181,7 +184,7 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
             else:  # the episodes' prompts and token count (the previous repeat's when single goes first:
                 ref = mt or reps[-1]  # the ratio is of tokens per second, so the sizes need not match exactly)
                 st = single_turn(engine, ref["prompts"], version, cfg.max_turn_tokens, ref["multiturn_tokens"],
-                                 iteration=rep)
+                                 iteration=rep, stop=stop)
                 st["single_target_tokens"] = ref["multiturn_tokens"]
         reps.append({**mt, **st,
                      "multiturn_vs_single_tokens_per_s": mt["multiturn_tokens_per_s"] / st["single_tokens_per_s"],
