@@ -315,7 +315,7 @@ def components_figure(records: Sequence[Record]) -> go.Figure:
     _style(fig, "Reward components", 380)
     fig.update_xaxes(title_text="iteration")
     fig.update_yaxes(title_text="batch mean", secondary_y=False)
-    fig.update_yaxes(title_text="completions with a failed reward", rangemode="tozero", secondary_y=True, showgrid=False)
+    fig.update_yaxes(title_text="reward-function failures", rangemode="tozero", secondary_y=True, showgrid=False)
     return fig
 
 

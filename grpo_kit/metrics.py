@@ -36,7 +36,9 @@ class Batch:
     results: list[dict]
     """Every chunk's summary (``remote.summary_task``), all dynamic-sampling rounds included."""
     rollouts: list[RolloutSummary]
-    """The completions' summaries, in training order (group, then sample)."""
+    """The completions' summaries (group, then sample): with dynamic sampling every round's, the
+    zero-spread groups not trained included and carried-in groups not, so ``reward_mean``,
+    ``train_acc``, ``truncated`` and the samples describe what was generated for the iteration."""
     generated: list[Group]
     """Every group generated for the iteration."""
     picked: list[Group]

@@ -55,7 +55,7 @@ class EvalResult(TypedDict, total=False):
     truncated: int
     """Completions that hit the token budget."""
     reward_errors: int
-    """Completions a reward function failed on."""
+    """Reward-function failures on the completions (a completion counts once per function that failed on it)."""
     unscored: int
     """Completions no reward applied to (their reward is None: a code reward not run within its
     batch's time, a reward that does not apply): ``acc`` counts them as not correct, over all ``n``."""
@@ -94,7 +94,7 @@ class EvalResult(TypedDict, total=False):
     sample_truncated: int
     """Sampled completions that hit the token budget."""
     sample_reward_errors: int
-    """Sampled completions a reward function failed on."""
+    """Reward-function failures on the sampled completions (once per failing function and completion)."""
 
 
 class EpisodeAccount(TypedDict):
@@ -171,7 +171,8 @@ class MetricsRecord(TypedDict, total=False):
     reward_components: dict[str, float | None]
     """Each reward function's batch mean (unweighted; over the completions where it applied)."""
     reward_errors: int
-    """Completions a reward function failed on (raised, timed out, returned a non-score)."""
+    """Reward-function failures (raised, timed out, returned a non-score), once per failing function
+    and completion: one completion both rewards failed on counts 2."""
     reward_metrics: dict[str, float]
     """What the reward functions logged with ``log_metric`` (TRL's): each name's mean over the values
     logged for the batch (``{}`` when none were)."""
@@ -263,7 +264,8 @@ class MetricsRecord(TypedDict, total=False):
     usable_samples: int
     """Completions trained on that sit in groups with reward spread."""
     usable_tokens: int
-    """Their completion tokens."""
+    """The completion tokens of the usable groups trained on (every completion of such a group,
+    an unscorable one's too: it is in the batch, with advantage 0)."""
     usable_share: float
     """Share of the generated completions that were usable."""
     usable_per_s: float

@@ -295,6 +295,6 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
 """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
+    tmp.write_text(page, encoding="utf-8", errors="backslashreplace")  # a lone surrogate a policy wrote (\ud800)
     os.replace(tmp, out)  # a notebook reloading the report never sees half a file
     return out

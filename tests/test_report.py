@@ -108,6 +108,16 @@ def test_an_episode_s_hostile_tool_name_error_and_long_conversation_are_escaped_
     assert samples.count('class="turn ') == report.EPISODE_MAX_MESSAGES and "20 more messages" in samples
 
 
+def test_a_lone_surrogate_a_policy_wrote_does_not_stop_the_report(tmp_path):
+    """Review finding: a completion holding the JSON escape \\ud800 (a reward that parsed it logged the
+    field) reached samples.jsonl as a lone surrogate, and writing the report raised UnicodeEncodeError."""
+    make_run(tmp_path, 2)
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"iteration": 0, "prompt": "p", "completion": "a\ud800b",
+                                                        "reward": 0.0, "gold": "1"}) + "\n")
+    page = report.write_report(tmp_path).read_text(encoding="utf-8")
+    assert "a\\ud800b" in page
+
+
 def test_what_reward_functions_logged_is_in_the_report(tmp_path, written):
     """``log_metric`` values: a table of each name's final and mean value; ``log_extra`` columns:
     under each sampled completion, escaped (a reward may log the policy's text)."""
