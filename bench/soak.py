@@ -192,7 +192,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--root", default=None, help="where the run and its temp directory go (default: a new temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the run directory")
     ap.add_argument("--samples-out", default=None, help="append every sample as a JSON line here as it is taken")
-    ap.add_argument("overrides", nargs="*", help="config overrides, name=json-value (e.g. keep_last=20)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, FIELD=VALUE (config.parse_overrides: a Python "
+                    "literal or a bare string; e.g. keep_versions=20 engine=hf); they win over this script's own")
     args = ap.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else max(50, args.iterations // 10)
 
@@ -204,9 +205,8 @@ def main(argv=None) -> dict:
 
     from grpo_kit import cluster, config, loop, report
 
-    overrides = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.overrides)}
-    cfg = config.profile("tiny", engine=args.engine, iterations=args.iterations, eval_every=0,
-                         run_dir=os.path.join(root, "run"), **overrides)
+    cfg = config.profile("tiny", **{"engine": args.engine, "iterations": args.iterations, "eval_every": 0,
+                                    "run_dir": os.path.join(root, "run"), **config.parse_overrides(args.overrides)})
     client = cluster.connect(n_rollout_workers=1, n_trainer_workers=1, quiet=True)
     try:
         holder: dict = {}
