@@ -5,7 +5,10 @@
 # no vLLM and no network, so this check uses the HF engine. Carry wheels for what it lacks (dask,
 # distributed, plotly, datasets and their needs) in .whl/ and the tiny model in .tiny/:
 #   here: pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ... -d .whl \
-#         dask distributed tblib zict locket tornado partd setproctitle importlib_metadata lazy-importer dill
+#         dask distributed tblib zict locket tornado partd setproctitle importlib_metadata lazy-importer dill \
+#         cloudpickle msgpack sortedcontainers toolz click psutil pyyaml fsspec plotly narwhals
+#         (the last line: what dask, distributed and grpo_kit.loop import that the image may lack; psutil,
+#         msgpack and pyyaml are compiled: download them for the image's Python)
 #         cp -r ~/.cache/grpo_kit/tiny-* .tiny/
 # It prints: the CUDA test subset (NCCL world-size-1 DDP step, bf16 loss path, HF engine on CUDA),
 # then the tiny profile's pipelined loop on CUDA for a few iterations with its figures.
