@@ -772,7 +772,9 @@ def test_ddp_step_on_episodes_matches_single_process(tmp_path):
         for res in results:
             delta, stats = res[case.name]
             assert rel_err(delta, want_delta) <= 1e-10, (case.name, rel_err(delta, want_delta))
-            assert stats == rank0 or all(stats[k] == rank0[k] or math.isnan(rank0[k] or 0.0) for k in stats)
+            assert stats.keys() == rank0.keys() and all(  # a NaN statistic must be NaN on every rank
+                stats[k] == rank0[k] or (isinstance(rank0[k], float) and math.isnan(rank0[k]) and math.isnan(stats[k]))
+                for k in stats), (stats, rank0)
         _assert_stats_close(rank0, want_stats, rel=1e-9)
         last = batches[-1]
         assert rank0["tokens"] == int(last.completion_mask.sum()) < int(stream_mask(last).sum())
