@@ -343,7 +343,7 @@ class EpisodeRunner:
         self.parser = tool_parser or parser(renderer.format)
 
     def start(self, p: data.Problem, ep: Episode) -> Live:
-        env, broken = None, None
+        broken = None
         try:  # one episode's environment that cannot be made must not stop the batch
             env = self.factory() if self.factory is not None else None
             env_tools = environment_tools(env) if env is not None else []

@@ -52,7 +52,8 @@ PID namespace a grandchild that calls ``setsid`` can outlive the time limit. The
 (CPU time, address space, process count, file size, output) hold everywhere; they bound each
 process and each file, not their sum: there is no cgroup, so a sandbox may use up to
 ``max_processes`` x ``memory_bytes`` of memory and write many files of ``max_file_bytes`` into the
-host's temporary directory until its time runs out. This contains accidents and reward hacking (``exit(0)``, runaway loops, fork bombs, forged verdicts, objects that equal
+host's temporary directory until its time runs out. This contains accidents and reward hacking
+(``exit(0)``, runaway loops, fork bombs, forged verdicts, objects that equal
 anything); it is not a boundary against a determined attacker with a kernel exploit.
 """
 
