@@ -145,7 +145,7 @@ def attach(rec: dict, res: dict) -> None:
     """An evaluation that finished during this iteration, into its record: the base model's (version
     0) is the baseline, any other is the held-out accuracy of the version it names."""
     rec.setdefault("evals", []).append(res)
-    rec["spans"].append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
+    rec.setdefault("spans", []).append({"name": "eval", "iteration": res["iteration"], "start": res["start"], "end": res["end"]})
     if res["version"] > 0 and "set" not in res:  # another eval set's result stays in ``evals``
         rec["eval_acc"], rec["eval_version"] = res["acc"], res["version"]
         rec["eval_lenient_acc"] = res.get("lenient_acc")

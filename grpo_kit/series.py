@@ -62,11 +62,20 @@ def _own_evals(rec: Record) -> list[Mapping[str, Any]]:
         if isinstance(evs, list) else []
 
 
-def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[float]]:
-    """(iterations, values) of a held-out measure, each at the step that produced the version it evaluated,
-    in version order.
+def made_at(ev: Mapping[str, Any]) -> int:
+    """The iteration whose step published the version an evaluation result measured: its
+    ``iteration`` (-1 for the base model), else ``version - 1`` (results written before it was kept;
+    true only of runs where every iteration trained: an iteration without a usable group publishes
+    nothing, and the versions after it come from later iterations)."""
+    it = ev.get("iteration")
+    return it if isinstance(it, int) and not isinstance(it, bool) else ev["version"] - 1
 
-    An evaluation finishes later than that step (version v comes out of iteration v - 1): plotted
+
+def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of a held-out measure, each at the step that produced the version it evaluated
+    (:func:`made_at`), in version order.
+
+    An evaluation finishes later than that step (version v comes out of iteration v - 1 where every iteration trained): plotted
     at the iteration during which it finished, it would lag. Two evaluations can finish during one
     iteration: the record's ``evals`` holds both (its ``eval_*`` fields only the last), so a record with
     ``evals`` is read from them (for the keys of :data:`EVAL_FIELDS`). Records without ``eval_version``
@@ -76,7 +85,7 @@ def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[fl
     for i, rec in enumerate(records):
         evs = _own_evals(rec) if key in EVAL_FIELDS else []
         if evs:
-            pts.update((ev["version"] - 1, y) for ev in evs if (y := number(EVAL_FIELDS[key](ev))) is not None)
+            pts.update((made_at(ev), y) for ev in evs if (y := number(EVAL_FIELDS[key](ev))) is not None)
             continue
         y = number(rec.get(key))
         v = rec.get("eval_version")

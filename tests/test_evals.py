@@ -35,6 +35,17 @@ def test_a_result_lands_in_its_record_as_the_versions_accuracy_unless_it_is_the_
     assert [e["version"] for e in rec["evals"]] == [0, 3, 3]
 
 
+def test_a_result_lands_in_a_record_rebuilt_on_resume():
+    """A record rebuilt from the store's manifest on resume (``checkpoint.recovered_records``) has no
+    spans: the run's last evaluation, attached to it, must not fail the run's end."""
+    from grpo_kit.checkpoint import STAT_KEYS
+
+    rec = {"iteration": 3, "version": 4, "recovered": True, "reward_mean": None, "eval_acc": None,
+           **dict.fromkeys(STAT_KEYS.values())}
+    evals.attach(rec, {"version": 4, "acc": 0.5, "iteration": 3, "start": 1.0, "end": 2.0})
+    assert rec["eval_acc"] == 0.5 and rec["spans"] == [{"name": "eval", "iteration": 3, "start": 1.0, "end": 2.0}]
+
+
 def test_a_pending_evaluations_version_comes_from_its_key():
     class Fut:
         def __init__(self, key):

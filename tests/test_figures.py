@@ -309,3 +309,5 @@ def test_other_eval_sets_get_a_line_each_from_their_results():
     assert trace(fig, "held-out: sums").x == (3,)
     assert trace(fig, "held-out accuracy").y == (0.5,)  # the task's own set only
     assert not [n for n in names(figures.reward_figure(recs[:1])) if n.startswith("held-out: ")]
+    recs[4]["evals"][0]["iteration"] = 4  # v4 made by iteration 4 (an earlier one trained nothing)
+    assert trace(figures.reward_figure(recs), "held-out: gsm8k").x == (1, 4)

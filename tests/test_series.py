@@ -50,6 +50,18 @@ def test_thin_records_keeps_a_record_holding_only_the_base_or_another_sets_evalu
     assert recs[1] in view and recs[11] in view
 
 
+def test_an_evaluation_sits_at_the_iteration_that_published_its_version():
+    """An iteration without a usable group publishes nothing: v2 then comes from iteration 2, and
+    its evaluation belongs there (its result's ``iteration``), not at ``version - 1``."""
+    from grpo_kit import evals
+
+    recs = [{"iteration": i, "version": v, "spans": []} for i, v in enumerate((0, 1, 2, 2))]
+    evals.attach(recs[3], {"version": 2, "acc": 0.5, "iteration": 2, "start": 0.0, "end": 1.0})
+    evals.attach(recs[3], {"version": 1, "acc": 0.25, "iteration": 1, "start": 0.0, "end": 1.0})
+    assert series.eval_series(recs, "eval_acc") == ([1, 2], [0.25, 0.5])
+    assert series.made_at({"version": 3}) == 2  # a result from before ``iteration`` was kept
+
+
 def test_eval_series_reads_every_evaluation_of_a_record():
     """Two evaluations finishing during one iteration: the record's fields hold the last, its
     ``evals`` both; an older record without ``evals`` is read from its fields."""
