@@ -81,6 +81,15 @@ def save_state(store: AdapterStore, state: dict) -> None:
     store.write_json(RUN_STATE, state)
 
 
+def rebuilt_tail(records: list[MetricsRecord]) -> list[MetricsRecord]:
+    """The records :func:`restore` rebuilt from the store after the last record the run wrote (the
+    trailing ``recovered`` ones): the trackers never got them (``loop.run`` sends them on resume)."""
+    n = len(records)
+    while n and records[n - 1].get("recovered"):
+        n -= 1
+    return records[n:]
+
+
 def run_id_for(cfg: Config, store_root: str, task: Task) -> str:
     """Identifies what a resumed run must share: everything but the length, paths and evaluation
     settings (cadence, samples, size, extra sets) and the retry budget."""

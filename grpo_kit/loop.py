@@ -176,6 +176,8 @@ def run(
             print("warming up: building rollout engines and trainer policies ...", flush=True)
         remote.register_engines(client, cfg, model_path, store.root, storage_options, instruction=task.instruction)
         tracking.start_run(run_dir, cfg.flat(), resumed=resume)  # its imports overlap the engines' build
+        for rec in checkpoint.rebuilt_tail(records):  # published, but never recorded nor logged
+            tracking.on_record(rec)
         cl.wait_for_role(client, cl.ROLLOUT, 1)
         spec = RankSpec.for_run(cfg, run_id, model_path, store.root, storage_options, multi_turn=task.multi_turn,
                                 policy_loss=policy_loss, advantage=advantage)

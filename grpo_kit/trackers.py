@@ -42,6 +42,7 @@ import netrc
 import os
 import re
 import time
+import urllib.parse
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -466,16 +467,22 @@ class MLflowTracker(Tracker):
         self.status = "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
 
     def on_end(self, report: Path | None) -> None:
-        if report is not None:
-            self.client.log_artifact(self.run_id, str(report))
-        self.client.set_terminated(self.run_id, status=getattr(self, "status", "FINISHED"))
+        try:
+            if report is not None:
+                self.client.log_artifact(self.run_id, str(report))
+        finally:  # an upload that fails must not leave the run RUNNING
+            self.client.set_terminated(self.run_id, status=getattr(self, "status", "FINISHED"))
 
 
-def _wandb_key_set() -> bool:
+def wandb_key_set() -> bool:
+    """Whether wandb has an API key: ``WANDB_API_KEY``, or ``wandb login``'s entry for the base URL's
+    host in the netrc file wandb reads (``$NETRC``, else ``~/.netrc``)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
+    url = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    host = urllib.parse.urlsplit(url if "//" in url else f"//{url}").netloc
     try:
-        return bool(netrc.netrc().authenticators(os.environ.get("WANDB_BASE_URL", "api.wandb.ai").split("//")[-1]))
+        return bool(netrc.netrc(os.environ.get("NETRC") or None).authenticators(host))
     except (OSError, netrc.NetrcParseError):
         return False
 
@@ -505,7 +512,7 @@ class WandbTracker(RunLogTracker):
         import wandb
 
         self.lib = self.wandb = wandb
-        mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_key_set() else "offline")
+        mode = os.environ.get("WANDB_MODE") or ("online" if wandb_key_set() else "offline")
         kw = dict(project=self.project or os.environ.get("WANDB_PROJECT", PROJECT), entity=self.entity, name=run.name,
                   id=run.id, resume="allow" if run.resumed else None, dir=str(run.run_dir), config=run.params)
         try:
@@ -519,11 +526,13 @@ class WandbTracker(RunLogTracker):
             self.run = wandb.init(mode="offline", **kw)
 
     def on_end(self, report: Path | None) -> None:
-        if report is not None:
-            art = self.wandb.Artifact(f"report-{self.run.id}", type="report")
-            art.add_file(str(report))
-            self.run.log_artifact(art)
-        self.run.finish(exit_code=getattr(self, "exit_code", None))
+        try:
+            if report is not None:
+                art = self.wandb.Artifact(f"report-{self.run.id}", type="report")
+                art.add_file(str(report))
+                self.run.log_artifact(art)
+        finally:  # an upload that fails must not leave the run unfinished
+            self.run.finish(exit_code=getattr(self, "exit_code", None))
 
     def on_failure(self, error: BaseException) -> None:
         self.exit_code = 1  # the run shows as failed
@@ -544,9 +553,11 @@ class TrackioTracker(RunLogTracker):
                                 resume="allow" if run.resumed else "never", embed=False)
 
     def on_end(self, report: Path | None) -> None:
-        if report is not None:
-            self.run.log_artifact(str(report), name="report", type="report")
-        self.run.finish()
+        try:
+            if report is not None:
+                self.run.log_artifact(str(report), name="report", type="report")
+        finally:
+            self.run.finish()
 
 
 register_tracker("trackio", TrackioTracker)

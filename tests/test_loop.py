@@ -695,6 +695,8 @@ def test_resumed_run_ends_with_the_uninterrupted_runs_weights(tmp_path, client, 
 
 
 def test_resume_when_publish_happened_but_state_was_not_written(tmp_path, client):
+    from grpo_kit import trackers
+
     cfg = _cfg(tmp_path, iterations=3, world_size=1)
     loop.run(cfg.override(iterations=2), client=client, progress=False)
     store = AdapterStore(cfg.run.store_root)
@@ -704,8 +706,19 @@ def test_resume_when_publish_happened_but_state_was_not_written(tmp_path, client
     store.write_json("run", {**state, "next_iteration": 1, "version": 1})
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text().splitlines(keepends=True)[0])
-    res = loop.run(cfg, client=client, resume=True, progress=False)
+    logged = []
+
+    class Steps(trackers.Tracker):
+        def on_log(self, scalars, step):
+            logged.append((step, scalars.get("loss")))
+
+    trackers.register_tracker("steps", Steps)
+    try:
+        res = loop.run(cfg.override(report_to="steps"), client=client, resume=True, progress=False)
+    finally:
+        trackers.TRACKERS.pop("steps")
     assert [r["iteration"] for r in res.records] == [0, 1, 2]  # iteration 1 not repeated, and not lost
+    assert [s for s, _ in logged] == [1, 2] and logged[0][1] == res.records[1]["loss"]  # the rebuilt one logged too
     recovered = res.records[1]
     assert recovered["recovered"] and recovered["version"] == 2 and recovered["loss"] is not None
     assert [json.loads(x)["iteration"] for x in metrics.read_text().splitlines()] == [0, 1, 2]

@@ -166,11 +166,42 @@ def test_a_users_tracker_gets_the_run(tracked_run):
         assert scalars["reward_mean"] == pytest.approx(r["reward_mean"]) and scalars["loss"] == pytest.approx(r["loss"])
     # the final evaluation (after the last record) reached the tracker at the last step
     last_eval = res.records[-1]["eval_acc"]
+    assert last_eval is not None
     assert any(c[2] == 1 and c[1].get("eval_acc") == last_eval for c in logs)
     rows = [row for c in rec.calls if c[0] == "table" for row in c[1]]
     assert rows == trackers.table_rows(_samples(cfg.run.run_dir))  # every sampled completion, once
     report = rec.calls[-1][1]
     assert report == records.run_files(cfg.run.run_dir).report and "<html" in report.read_text()[:500].lower()
+
+
+def test_a_failed_report_upload_still_ends_the_mlflow_run(tracker_env, tmp_path):
+    """Review finding: an upload that raised in ``on_end`` left the MLflow run RUNNING."""
+    from mlflow.tracking import MlflowClient
+
+    t = trackers.MLflowTracker()
+    t.on_start(RunInfo.for_run(tmp_path, {"lr": 1.0}))
+    with pytest.raises(Exception):  # noqa: B017 - whichever error MLflow raises for a missing file
+        t.on_end(tmp_path / "no-such-report.html")
+    assert MlflowClient(tracking_uri=t.client.tracking_uri).get_run(t.run_id).info.status == "FINISHED"
+
+
+def test_wandb_reads_the_netrc_wandb_reads(tracker_env, tmp_path, monkeypatch):
+    """Review finding: ``$NETRC`` was ignored and a base URL's trailing slash kept in the host, so a
+    logged-in user logged offline (and the tests' isolation from ``~/.netrc`` did not hold)."""
+    from grpo_kit.trackers import wandb_key_set
+
+    rc = tmp_path / "netrc"
+    rc.write_text("machine api.wandb.ai\n  login user\n  password k\nmachine wandb.example.org\n  login user\n  password k\n")
+    rc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(rc))
+    assert wandb_key_set()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org/")
+    assert wandb_key_set()
+    monkeypatch.setenv("WANDB_BASE_URL", "https://other.example.org")
+    assert not wandb_key_set()
+    monkeypatch.setenv("NETRC", str(tmp_path / "empty"))
+    monkeypatch.delenv("WANDB_BASE_URL")
+    assert not wandb_key_set()
 
 
 def test_tensorboard_reads_back(tracked_run):
