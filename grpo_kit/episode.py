@@ -58,7 +58,7 @@ from .config import EpisodeConfig
 from .prompts import PromptFormat, prompt_of
 from .renderers import PrefixError, Renderer, continues_after, decode, environment_ids
 from .rollout import Continuation, Rollout
-from .tools import ToolBox, ToolResult, environment_tools, parser, resolve
+from .tools import ToolBox, ToolResult, environment_tools, exception_text, parser, resolve
 
 END_REASONS = ("answered", "max_turns", "budget", "error")
 DEFAULT_TURN_TOKENS = 64
@@ -348,7 +348,7 @@ class EpisodeRunner:
             env = self.factory() if self.factory is not None else None
             env_tools = environment_tools(env) if env is not None else []
         except Exception as e:
-            env, env_tools, broken = None, [], f"environment_factory raised {type(e).__name__}: {e}"
+            env, env_tools, broken = None, [], f"environment_factory raised {exception_text(e)}"
         box = ToolBox(self.tools + env_tools, timeout_s=self.cfg.tool_timeout_s, max_calls=self.cfg.max_tool_calls,
                       stateful=[fn.__name__ for fn in env_tools])
         live = Live(ep, env, box, box.schemas(), env_tools=frozenset(fn.__name__ for fn in env_tools))
@@ -361,7 +361,7 @@ class EpisodeRunner:
             try:  # a row of its own (a deep copy): an environment that edits it changes no other episode
                 obs = env.reset(**copy.deepcopy(problem_row(p)))
             except Exception as e:  # one broken row must not stop the batch; the episode keeps its prompt
-                ep.end_reason, ep.error = "error", f"reset raised {type(e).__name__}: {e}"
+                ep.end_reason, ep.error = "error", f"reset raised {exception_text(e)}"
         if obs is not None:
             ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
@@ -411,7 +411,7 @@ class EpisodeRunner:
             raise
         except Exception as e:  # e.g. a template that rejects the messages
             del ep.messages[n:]  # the messages stay those of the stream
-            ep.end_reason, ep.error = "error", f"rendering the tool answers raised {type(e).__name__}: {e}"
+            ep.end_reason, ep.error = "error", f"rendering the tool answers raised {exception_text(e)}"
             return False
         if len(ep.completion_ids) + len(ids) >= self.cfg.max_episode_tokens or \
                 len(ep.stream) + len(ids) >= self.engine.max_model_len:
@@ -491,4 +491,4 @@ class EpisodeRunner:
         try:
             lv.ep.env_reward = float(resolve(lv.env.get_reward()))
         except Exception as e:  # the episode stays; its reward is missing (the trainer decides)
-            lv.ep.error = f"get_reward raised {type(e).__name__}: {e}"
+            lv.ep.error = f"get_reward raised {exception_text(e)}"

@@ -19,9 +19,13 @@ user's tools and environment classes plug in unchanged:
   at the stop string ``</call>`` (:data:`PLAIN_STOP`).
 - Every failure becomes the tool's answer to the model, ``{"error": "..."}`` as JSON (TRL answers
   ``{'error': str(e)}``), plus a counted :data:`ERROR_KINDS` kind, never an exception: a malformed
-  call, an unknown tool, arguments that do not bind to the signature, a tool that raises, a tool
-  past its time limit (run in a daemon thread that is abandoned at the limit; a tool that runs
-  untrusted code should use :func:`grpo_kit.sandbox.run_python`, which kills it), and calls past
+  call, an unknown tool, arguments that do not bind to the signature, a tool that raises (an
+  exception whose own text cannot be made is named by its type), a tool past its time limit (run
+  in a daemon thread that is abandoned at the limit; a call the thread cannot be left at, one
+  inside a single long C-level operation that holds the interpreter's lock, such as a regex that
+  backtracks or a huge ``**``, holds every thread of the worker until it returns, and is answered
+  as timed out then; a tool that runs untrusted code or work of unbounded size should use
+  :func:`grpo_kit.sandbox.run_python`, which kills it), and calls past
   ``max_calls`` in one turn. ``async def`` tools (and ``get_reward``) are awaited in the call's thread.
 """
 
@@ -226,6 +230,22 @@ def error_text(message: str) -> str:
     return json.dumps({"error": message})
 
 
+def exception_text(e: BaseException, limit: int = 500) -> str:
+    """``"<type>: <message>"`` of an exception, at most ``limit`` characters of message; the type
+    alone (with a note) when the message itself cannot be made: ``str()`` of an exception can raise
+    (a ``KeyError`` of an int past Python's 4,300-digit conversion limit), and the policy chooses
+    the arguments that make it.
+
+    >>> exception_text(KeyError(int("f" * 4000, 16)))
+    'KeyError: (its message could not be made: ValueError)'
+    """
+    try:
+        msg = str(e)
+    except BaseException as inner:  # noqa: BLE001 - whatever str() raised
+        msg = f"(its message could not be made: {type(inner).__name__})"
+    return f"{type(e).__name__}: {msg[:limit]}"
+
+
 class ToolBox:
     """Named tools and how to call them safely (see the module docstring)."""
 
@@ -264,18 +284,19 @@ class ToolBox:
             try:
                 box["value"] = str(resolve(fn(*call.args, **(call.kwargs or {}))))  # str() may raise too
             except BaseException as e:  # reported to the model; the run goes on
-                box["raised"] = e
+                box["raised"] = exception_text(e)
 
         t0 = time.perf_counter()
         worker = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
         worker.start()
         worker.join(self.timeout_s)
         dt = time.perf_counter() - t0
-        if worker.is_alive():  # abandoned: a thread cannot be killed (use the sandbox for untrusted code)
+        # abandoned: a thread cannot be killed (use the sandbox for untrusted code); one that held the
+        # interpreter's lock past the limit could not be left, and is past its limit all the same
+        if worker.is_alive() or dt > self.timeout_s:
             return ToolResult(name, error_text(f"{name} timed out after {self.timeout_s:g} s"), "timeout", dt)
         if "raised" in box:
-            e = box["raised"]
-            return ToolResult(name, error_text(f"{name} raised {type(e).__name__}: {e}"), "raised", dt)
+            return ToolResult(name, error_text(f"{name} raised {box['raised']}"), "raised", dt)
         return ToolResult(name, box["value"], None, dt)
 
     def call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:

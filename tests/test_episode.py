@@ -645,3 +645,20 @@ def test_an_environment_that_cannot_be_made_ends_only_its_episode(smol_tok):
     assert [e.end_reason for e in eps] == ["answered", "answered", "error", "answered"]
     assert "environment_factory raised OSError: Too many open files" in eps[2].error
     assert eps[2].completion_ids == [] and eps[2].env_reward is None and eps[3].env_reward == 1.0
+
+
+def test_a_get_reward_whose_error_cannot_be_printed_ends_only_its_episode(smol_tok):
+    """Review finding: the error's text was made outside any guard; a KeyError naming a key past
+    Python's 4,300-digit conversion limit (one the policy's tool call chose) lost the whole chunk."""
+
+    class Keyed(Counter):
+        def get_reward(self) -> float:
+            if self.count > 1:
+                raise KeyError(int("f" * 4000, 16))
+            return float(self.count)
+
+    engine = FakeEngine(smol_tok, lambda text, turn: call(turn + 1) if turn < 2 else "#### done")
+    eps = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Keyed).run(
+        data.synthetic_problems(1, split="train", seed=0), 2)
+    assert [e.env_reward for e in eps] == [None, None]
+    assert all(e.error == "get_reward raised KeyError: (its message could not be made: ValueError)" for e in eps)

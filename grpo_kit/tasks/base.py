@@ -80,6 +80,7 @@ from typing import Any
 
 from ..data import Problem
 from ..reward import RewardResult
+from ..tools import exception_text
 
 RewardFn = Callable[..., Sequence[Any]]
 """``reward(*, prompts, completions, completion_ids, **columns) -> list[float | RewardResult | None]``
@@ -326,7 +327,7 @@ class Scorer:
             raise
         except BaseException as e:  # noqa: BLE001 - a user's reward: any error (SystemExit, an async reward's
             # CancelledError too) is this batch's failure, recorded
-            return None, f"raised {type(e).__name__}: {e}"[:300]
+            return None, f"raised {exception_text(e)}"[:300]
         finally:
             stage.closed = True
 
