@@ -360,6 +360,44 @@ def test_completion_ids_must_align_with_completions():
 # ----------------------------------------------------------------------------- registry and config
 
 
+class Scored:
+    """An environment that owns its reward (TRL's ``get_reward``)."""
+
+    def reset(self, **kwargs):
+        self.n = 2.0
+
+    def get_reward(self) -> float:
+        return self.n
+
+
+class Unscored:
+    def reset(self, **kwargs):
+        return None
+
+
+def test_an_environments_get_reward_is_one_more_reward_as_in_trl():
+    """Review finding: with reward functions given, the environment's ``get_reward`` was dropped (TRL
+    adds it, weight 1), and an environment without one and no reward function scored every
+    episode 0 in silence (TRL refuses: "No reward source provided")."""
+    from grpo_kit.tasks.base import env_reward
+
+    def fmt(completions, **kw):
+        return [1.0] * len(completions)
+
+    probs = lambda split, n, seed: []  # noqa: E731 - never drawn here
+    for factory in (Scored, lambda: Scored()):  # a class, or a function that makes one
+        t = Task("t", probs, [fmt], environment_factory=factory, weights=[0.5])
+        assert list(t.rewards) == [fmt, env_reward] and list(t.weights) == [0.5, 1.0]
+        out = t.scorer().score(["q"] * 2, ["a", "b"], {"env_reward": [2.0, 0.0]})
+        assert [r.reward for r in out] == [0.5 + 2.0, 0.5 + 0.0]
+    assert Task("t", probs, [fmt], environment_factory=Scored, names=["fmt"]).names == ["fmt", "Scored"]
+    assert list(Task("t", probs, environment_factory=Scored).rewards) == [env_reward]
+    assert list(Task("t", probs, [env_reward], environment_factory=Scored).rewards) == [env_reward]  # not twice
+    assert list(Task("t", probs, [fmt], environment_factory=Unscored).rewards) == [fmt]
+    with pytest.raises(ValueError, match="no reward source"):
+        Task("t", probs, environment_factory=Unscored)
+
+
 def test_builtin_tasks_resolve_by_name_and_bad_names_are_clear():
     assert tasks.resolve("synthetic", n_digits=2).load("train", 2)[0].id.startswith("add-")
     with pytest.raises(ValueError, match="unknown task 'nope'"):

@@ -57,8 +57,10 @@ Three more columns come beside the problem's: ``environments`` (each
 episode's live environment instance, as TRL passes them; None without a factory), ``env_reward``
 (each environment's ``get_reward()``, None where it has none or it raised) and ``episodes`` (each
 episode's account: turns, tool calls and errors, end reason, token counts, the conversation; see
-:attr:`grpo_kit.rollout.Scored.episode`). A task with an environment and no reward functions is
-scored by :func:`env_reward` (the environment's own ``get_reward``).
+:attr:`grpo_kit.rollout.Scored.episode`). As in TRL, an environment whose class defines
+``get_reward`` owns a reward: :func:`env_reward` is added after the task's reward functions (weight
+1, named after the class) unless they already hold it, and a task whose only reward source would be
+an environment without ``get_reward`` is refused (TRL: "No reward source provided").
 
 The reward of a completion is the weighted sum of its components. Accuracy (training and held-out)
 reads the first reward: its ``RewardResult.correct`` (and ``lenient_correct``) where it returns
@@ -109,10 +111,11 @@ class Task:
     problems: Callable[[str, int, int], Sequence[Problem]]
     """``(split, n, seed) -> problems``; ``split`` is ``"train"`` or ``"heldout"``; ``n`` caps the count."""
     rewards: Sequence[RewardFn] = ()
-    """Reward functions (TRL's signature); the first one defines accuracy. Empty only with an
-    ``environment_factory``: then the environment's ``get_reward()`` (:func:`env_reward`)."""
+    """Reward functions (TRL's signature); the first one defines accuracy. An ``environment_factory``
+    whose class defines ``get_reward`` adds :func:`env_reward` after them (TRL's rule; the only reward
+    when this is empty)."""
     weights: Sequence[float] | None = None
-    """One weight per reward function; None weighs each 1."""
+    """One weight per reward function (the added :func:`env_reward` weighs 1 unless weighted here); None weighs each 1."""
     instruction: str = ""
     """The answer-format instruction after each question (``PromptConfig.instruction`` overrides it)."""
     correct_at: float = 1.0
@@ -130,12 +133,20 @@ class Task:
     list[ToolCall]``; None: the renderer's (Hermes for chat templates, plain for the tiny model)."""
 
     def __post_init__(self) -> None:
-        if not self.rewards and self.environment_factory is not None:
-            self.rewards = [env_reward]
-        if not self.rewards:
-            raise ValueError(f"task {self.name!r} has no reward function")
         if self.environment_factory is not None and not callable(self.environment_factory):
             raise TypeError(f"task {self.name!r}: environment_factory {self.environment_factory!r} is not callable")
+        owner = environment_class(self.name, self.environment_factory) if self.environment_factory is not None else None
+        if owner is not None and callable(getattr(owner, "get_reward", None)) and env_reward not in self.rewards:
+            given = len(self.rewards)  # TRL: the environment's get_reward is one more reward, weight 1
+            self.rewards = [*self.rewards, env_reward]
+            if self.weights is not None and len(self.weights) == given:
+                self.weights = [*self.weights, 1.0]
+            if self.names is not None and len(self.names) == given:
+                self.names = [*self.names, owner.__name__]
+        if not self.rewards:
+            raise ValueError(f"task {self.name!r} has no reward source: pass reward functions, or an "
+                             "environment_factory whose environment defines get_reward()" if owner is not None
+                             else f"task {self.name!r} has no reward function")
         for fn in self.tools:
             if not callable(fn):
                 raise TypeError(f"task {self.name!r}: tool {fn!r} is not callable")
@@ -437,6 +448,18 @@ def call_reward(fn: Callable, kwargs: dict) -> Any:
 
         out = asyncio.run(wait())
     return out
+
+
+def environment_class(task: str, factory: Callable[[], Any]) -> type:
+    """The class of the environments ``factory`` makes: ``factory`` itself when it is a class, else
+    the type of one instance made for the purpose (TRL probes each factory the same way)."""
+    if isinstance(factory, type):
+        return factory
+    try:
+        return type(factory())
+    except Exception as e:
+        raise ValueError(f"task {task!r}: environment_factory() raised {type(e).__name__} when probed for "
+                         f"get_reward: {e}") from e
 
 
 def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float]:
