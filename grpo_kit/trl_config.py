@@ -139,7 +139,9 @@ def kit_names(overrides: Mapping[str, Any], policy_loss: str | None = None) -> d
     """
     out: dict[str, Any] = {}
     for k, v in overrides.items():
-        if k in RENAMES and RENAMES[k] != k:
+        if k in RENAMES and RENAMES[k] == k:
+            out[k] = kit_value(k, v)  # same name, TRL's values (max_grad_norm=None: no clip)
+        elif k in RENAMES:
             kit = RENAMES[k]
             if kit in overrides:
                 raise ValueError(f"{k}= is TRL's name for {kit}=; give one of them, not both")
@@ -223,12 +225,14 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
     if not dataclasses.is_dataclass(args) or isinstance(args, type):
         raise TypeError(f"from_trl takes a trl.GRPOConfig instance, got {type(args).__name__}")
     flds = {f.name: f for f in dataclasses.fields(args)}
-    val = {name: getattr(args, name) for name in flds}
     kit_fields = set(config.flat_field_names())
     # TRL-named overrides change the GRPOConfig before it is read, so that coupled settings (epsilon
     # and epsilon_high with the loss, max_steps) mean what they mean in TRL
     # (loss_type too: TRL's names a superset of the kit's, cispo and the refused ones included)
-    val.update({k: overrides.pop(k) for k in list(overrides) if k in flds and (k not in kit_fields or k == "loss_type")})
+    trl_over = {k: overrides.pop(k) for k in list(overrides) if k in flds and (k not in kit_fields or k == "loss_type")}
+    if trl_over:
+        args = with_trl_overrides(args, trl_over)
+    val = {name: getattr(args, name) for name in flds}
     refused: dict[str, str] = {}
     handled: set[str] = set()
     # TRL's ratio and advantage, and its freshness: each batch sampled by the weights being trained
@@ -243,6 +247,8 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
         if name in val:
             out[kit] = kit_value(name, val[name])
             handled.add(name)
+    if "max_completion_length" in val:  # in TRL's tool episodes it bounds the whole completion (and is dr_grpo's length)
+        out.update(max_episode_tokens=val["max_completion_length"], max_turn_tokens=None)
 
     # the loss: TRL's loss_type names the normalizer and, for cispo, the policy loss; the sampling
     # level picks the ratio (GSPO's sequence ratio); the clip's meaning depends on both
@@ -332,6 +338,8 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
         out["reward_weights"] = tuple(val["reward_weights"])
     if val.get("max_tool_calling_iterations") is not None:  # TRL: the first turn, then up to N more after tool calls
         out["max_turns"] = int(val["max_tool_calling_iterations"]) + 1
+    elif "max_completion_length" in val:  # TRL's None: no turn limit, only the episode's token budget
+        out["max_turns"] = int(val["max_completion_length"])  # (every turn samples at least one of its tokens)
     trackers = [] if _plain(val.get("report_to")) is None else val["report_to"]
     trackers = [trackers] if isinstance(trackers, str) else list(trackers)
     if "report_to" in kit_fields:
@@ -365,4 +373,28 @@ def from_trl(args: Any, profile: str = "tiny", *, peft_config: Any = None, **ove
     for name, (value, msg) in DEFAULT_DIFFERENCES.items():
         if name in val and _plain(val[name]) == value:
             warnings.warn(msg, stacklevel=3)  # the caller of config.from_trl
-    return config.profile(profile, **{**out, **kit_names(overrides, overrides.get("policy_loss", out.get("policy_loss")))})
+    kit = kit_names(overrides, overrides.get("policy_loss", out.get("policy_loss")))
+    if out.get("policy_loss") == "gspo" and eps_high is None and "clip_eps" in kit and "clip_eps_high" not in kit:
+        kit["clip_eps_high"] = kit["clip_eps"]  # TRL's epsilon_high None: the clip is symmetric, as with epsilon=
+    return config.profile(profile, **{**out, **kit})
+
+
+DERIVED_BATCH = ("generation_batch_size", "steps_per_generation")
+"""The GRPOConfig fields ``__post_init__`` derives from the batch fields when neither is set."""
+
+
+def with_trl_overrides(args: Any, over: Mapping[str, Any]) -> Any:
+    """``args`` made again with the TRL-named overrides ``over``, as if set in the GRPOConfig: TRL's
+    ``__post_init__`` derives the generation batch from them, checks them and copies its deprecated
+    aliases. The two batch fields it derived are left to it again: both when ``steps_per_generation``
+    equals ``gradient_accumulation_steps`` (TRL's own choice, where neither was set), else
+    ``steps_per_generation`` only (a generation batch set apart from the optimizer step's is kept)."""
+    changes = dict(over)
+    if not any(k in over for k in DERIVED_BATCH):
+        if args.steps_per_generation == args.gradient_accumulation_steps:
+            changes.update(generation_batch_size=None, steps_per_generation=None)
+        else:
+            changes["steps_per_generation"] = None
+    elif not all(k in over for k in DERIVED_BATCH):  # one given: TRL derives the other from it
+        changes.update({k: None for k in DERIVED_BATCH if k not in over})
+    return dataclasses.replace(args, **changes)

@@ -103,6 +103,10 @@ def test_each_mapping(tmp_path):
         ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"epsilon": 3e-4}, "gspo", (3e-4, 3e-4)),
         ({}, {"loss_type": "cispo", "epsilon_high": 4.0}, "cispo", (0.2, 3.0)),
         ({}, {"max_steps": 7}, "grpo", (0.2, 0.2)),
+        # review finding: the kit's name for epsilon left GSPO's upper clip pinned at TRL's 0.2
+        ({"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"clip_eps": 3e-4}, "gspo", (3e-4, 3e-4)),
+        ({"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon_high": 4e-4}, {"clip_eps": 3e-4},
+         "gspo", (3e-4, 4e-4)),
     ],
 )
 def test_trl_named_overrides_change_the_grpo_config_first(args, over, policy_loss, clip):
@@ -204,12 +208,49 @@ def test_report_to_is_carried_or_refused():
             from_trl(args)
 
 
+def test_trl_named_batch_overrides_mean_what_they_mean_in_the_grpo_config():
+    """Review finding: TRL-named overrides patched the values read after ``GRPOConfig.__post_init__``,
+    so the generation batch TRL derives from them kept the old size (per_device_train_batch_size=32
+    trained 1 prompt per step where TRL trains 4), TRL's own checks were skipped and its deprecated
+    aliases dropped."""
+    base = trl_args(lr_scheduler_type="constant")
+    for over in ({"per_device_train_batch_size": 32}, {"gradient_accumulation_steps": 4},
+                 {"generation_batch_size": 32, "gradient_accumulation_steps": 4},
+                 {"steps_per_generation": 4, "gradient_accumulation_steps": 4}):
+        set_in_trl = trl_args(lr_scheduler_type="constant", **over)
+        assert from_trl(base, "tiny", **over) == from_trl(set_in_trl, "tiny"), over
+        assert from_trl(base, "tiny", **over).sampling.prompts_per_step == set_in_trl.generation_batch_size // 8 == 4
+    with pytest.raises(ValueError, match="must be divisible by num_generations"):  # TRL's own check, as in TRL
+        from_trl(base, "tiny", num_generations=16)
+    with pytest.warns(Warning):  # TRL's deprecation warning for its alias, which it copies
+        cap = config.from_trl(base, "tiny", vllm_importance_sampling_cap=1.5).loss.importance_sampling_cap
+    assert cap == 1.5
+    explicit = trl_args(lr_scheduler_type="constant", generation_batch_size=16)  # set by the user: kept
+    with pytest.raises(ValueError, match="steps_per_generation=2 with gradient_accumulation_steps=1"):
+        from_trl(explicit, "tiny")
+    assert from_trl(explicit, "tiny", gradient_accumulation_steps=2).sampling.prompts_per_step == 2
+
+
+def test_trl_episode_budget_and_turn_limit_carry_over():
+    """Review finding: in TRL's tool episodes ``max_completion_length`` bounds the whole completion (and
+    is dr_grpo's length), and ``max_tool_calling_iterations=None`` means no turn limit; the kit kept
+    the profile's episode budget (64 on tiny-tools) and turn limit."""
+    cfg = from_trl(trl_args(lr_scheduler_type="constant", max_completion_length=1024, max_tool_calling_iterations=3,
+                            loss_type="dr_grpo"), "tiny-tools")
+    ep = cfg.episode
+    assert (ep.max_episode_tokens, ep.max_turn_tokens, ep.max_turns, cfg.sampling.max_new_tokens) == (1024, None, 4, 1024)
+    assert from_trl(trl_args(lr_scheduler_type="constant", max_completion_length=96), "tiny-tools").episode.max_turns == 96
+    assert from_trl(trl_args(lr_scheduler_type="constant"), "tiny-tools", max_turns=3).episode.max_turns == 3
+
+
 def test_trl_names_as_overrides():
     c = config.profile("tiny", beta=0.04, num_generations=4, learning_rate=1e-5, scale_rewards=False,
                        max_completion_length=32)
     assert (c.loss.kl_beta, c.sampling.group_size, c.optim.lr, c.loss.adv_scale, c.sampling.max_new_tokens) == (
         0.04, 4, 1e-5, "none", 32)
     assert c.override(epsilon=0.1).loss.clip_eps == 0.1
+    # TRL's None (no clip) under the name TRL and the kit share, as a from_trl override
+    assert from_trl(trl_args(lr_scheduler_type="constant"), max_grad_norm=None).optim.max_grad_norm == 0.0
     with pytest.raises(ValueError, match="beta= is TRL's name for kl_beta="):
         config.profile("tiny", beta=0.04, kl_beta=0.1)
     with pytest.raises(ValueError, match="unknown config field"):
