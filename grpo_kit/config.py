@@ -240,6 +240,8 @@ class RewardConfig:
         for f in self.reward_functions:
             _check(isinstance(f, str) and f.count(":") == 1, f"reward_functions entries must be 'package.module:fn', got {f!r}")
         _check(self.reward_timeout_s > 0, f"reward_timeout_s must be > 0, got {self.reward_timeout_s}")
+        _check(all(math.isfinite(w) for w in self.reward_weights),
+               f"reward_weights must be finite numbers, got {self.reward_weights}")
 
 
 @dataclass(frozen=True)
@@ -395,7 +397,7 @@ class LossConfig:
             self.clip_eps_high is None or self.clip_eps_high > 0,
             f"clip_eps_high must be > 0 or None, got {self.clip_eps_high}",
         )
-        _check(self.kl_beta >= 0, f"kl_beta must be >= 0, got {self.kl_beta}")
+        _check(0 <= self.kl_beta < math.inf, f"kl_beta must be >= 0 and finite, got {self.kl_beta}")
         _check(self.adv_scale in ADV_SCALES, f"adv_scale must be one of {ADV_SCALES}, got {self.adv_scale!r}")
         _check(self.old_logp_source in OLD_LOGP_SOURCES,
                f"old_logp_source must be one of {OLD_LOGP_SOURCES}, got {self.old_logp_source!r}")
@@ -434,7 +436,7 @@ class OptimConfig:
     def __post_init__(self) -> None:
         _typed(self)
         _check(0 < self.lr < math.inf, f"lr must be > 0 and finite, got {self.lr}")
-        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check(0 <= self.weight_decay < math.inf, f"weight_decay must be >= 0 and finite, got {self.weight_decay}")
         _check(self.micro_batch >= 1, f"micro_batch must be >= 1, got {self.micro_batch}")
         _check(self.micro_batch_tokens >= 1, f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
 
@@ -663,6 +665,12 @@ class Config:
     """Iterations, pipelining, checkpoints."""
     profile: str = "tiny"
     """Name of the profile this config started from."""
+
+    def __post_init__(self) -> None:
+        new, ctx = self.sampling.max_new_tokens, self.model.max_model_len
+        _check(new < ctx, f"max_new_tokens ({new}) must be below max_model_len ({ctx}): the prompt and the "
+               "completion share the context (lower max_new_tokens / max_completion_length, or raise max_model_len "
+               "/ vllm_max_model_length where the model allows)")
 
     def flat(self) -> dict[str, Any]:
         """All fields as one flat mapping (the papermill parameter names)."""

@@ -58,6 +58,12 @@ def test_overrides_are_flat_and_validated():
         ({"preflight_sizes": "256M:1K"}, "LO is above HI"),  # was silently one size
         ({"preflight_sizes": "", "preflight_min_busbw_gbps": 50.0}, "nothing would check the floor"),
         ({"kl_beta": -0.1}, "kl_beta must be >= 0"),
+        # review findings: infinities passed (an infinite reward weight made rewards NaN), and a completion
+        # budget as long as the context failed only in encode_prompts, after the cluster had started
+        ({"kl_beta": float("inf")}, "kl_beta must be >= 0 and finite"),
+        ({"weight_decay": float("inf")}, "weight_decay must be >= 0 and finite"),
+        ({"reward_weights": (1.0, float("inf"))}, "reward_weights must be finite numbers"),
+        ({"max_new_tokens": 256}, r"max_new_tokens \(256\) must be below max_model_len \(256\)"),
         ({"max_staleness": -1}, "max_staleness must be >= 0"),
         ({"world_size": 0}, "world_size must be >= 1"),
         ({"n_eval_workers": -1}, "n_eval_workers must be >= 0"),
@@ -128,7 +134,8 @@ def test_configs_are_frozen_and_documented():
     import inspect
 
     for cls in (config.ModelConfig, config.DataConfig, config.PromptConfig, config.RewardConfig, config.SamplingConfig,
-                config.LossConfig, config.OptimConfig, config.LoRAConfig, config.ClusterConfig, config.RunConfig):
+                config.EpisodeConfig, config.LossConfig, config.OptimConfig, config.LoRAConfig, config.ClusterConfig,
+                config.RunConfig):
         src = inspect.getsource(cls)
         for f in dataclasses.fields(cls):
             # the field's line, then a docstring on the next line

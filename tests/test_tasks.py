@@ -396,6 +396,8 @@ def test_an_environments_get_reward_is_one_more_reward_as_in_trl():
     assert list(Task("t", probs, [fmt], environment_factory=Unscored).rewards) == [fmt]
     with pytest.raises(ValueError, match="no reward source"):
         Task("t", probs, environment_factory=Unscored)
+    with pytest.raises(ValueError, match="weights must be finite numbers"):  # an infinite weight made rewards NaN
+        Task("t", probs, [fmt], weights=[math.inf])
 
 
 def test_builtin_tasks_resolve_by_name_and_bad_names_are_clear():

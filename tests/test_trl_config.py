@@ -17,8 +17,9 @@ GRPOConfig = pytest.importorskip("trl").GRPOConfig
 
 def trl_args(**kw):
     """A GRPOConfig that builds on any machine (TRL's bf16 default needs a GPU, or use_cpu), with a
-    length (max_steps; unset, the kit warns that the profile's iterations replace TRL's epochs)."""
-    return GRPOConfig(use_cpu=True, **{"max_steps": 10, **kw})
+    length (max_steps; unset, the kit warns that the profile's iterations replace TRL's epochs) and
+    completions that fit the tiny profiles' context (TRL's default 512 does not: refused)."""
+    return GRPOConfig(use_cpu=True, **{"max_steps": 10, "max_completion_length": 64, **kw})
 
 
 def from_trl(args, profile="smoke", **kw):
@@ -235,10 +236,10 @@ def test_trl_episode_budget_and_turn_limit_carry_over():
     """Review finding: in TRL's tool episodes ``max_completion_length`` bounds the whole completion (and
     is dr_grpo's length), and ``max_tool_calling_iterations=None`` means no turn limit; the kit kept
     the profile's episode budget (64 on tiny-tools) and turn limit."""
-    cfg = from_trl(trl_args(lr_scheduler_type="constant", max_completion_length=1024, max_tool_calling_iterations=3,
+    cfg = from_trl(trl_args(lr_scheduler_type="constant", max_completion_length=200, max_tool_calling_iterations=3,
                             loss_type="dr_grpo"), "tiny-tools")
     ep = cfg.episode
-    assert (ep.max_episode_tokens, ep.max_turn_tokens, ep.max_turns, cfg.sampling.max_new_tokens) == (1024, None, 4, 1024)
+    assert (ep.max_episode_tokens, ep.max_turn_tokens, ep.max_turns, cfg.sampling.max_new_tokens) == (200, None, 4, 200)
     assert from_trl(trl_args(lr_scheduler_type="constant", max_completion_length=96), "tiny-tools").episode.max_turns == 96
     assert from_trl(trl_args(lr_scheduler_type="constant"), "tiny-tools", max_turns=3).episode.max_turns == 3
 

@@ -155,6 +155,8 @@ class Task:
                 raise TypeError(f"task {self.name!r}: reward {fn!r} is not callable")
         if self.weights is not None and len(self.weights) != len(self.rewards):
             raise ValueError(f"task {self.name!r}: {len(self.weights)} weights for {len(self.rewards)} reward functions")
+        if self.weights is not None and not all(isinstance(w, (int, float)) and math.isfinite(w) for w in self.weights):
+            raise ValueError(f"task {self.name!r}: weights must be finite numbers, got {list(self.weights)}")
         if self.names is not None and len(self.names) != len(self.rewards):
             raise ValueError(f"task {self.name!r}: {len(self.names)} names for {len(self.rewards)} reward functions")
 
