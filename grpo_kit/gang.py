@@ -99,19 +99,30 @@ def present(client: Client, workers: list[str]) -> bool:
 
 
 def run_bounded(client: Client, fn, workers: list[str], timeout: float) -> dict:
-    """``client.run(fn)`` on ``workers``, bounded: workers that have not answered in ``timeout``
-    seconds (e.g. stuck destroying a process group under a collective) are restarted by their
-    nannies (``Client.restart_workers``) and reported as failed."""
+    """``client.run(fn)`` on each of ``workers``, bounded: the workers that have not answered in
+    ``timeout`` seconds (e.g. stuck destroying a process group under a collective) are restarted by
+    their nannies (``Client.restart_workers``) and reported as failed; the others keep their process
+    (and the trainer state it holds)."""
     import concurrent.futures
 
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    fut = pool.submit(client.run, fn, workers=workers, on_error="return")
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(workers)))
+    futs = {w: pool.submit(client.run, fn, workers=[w], on_error="return") for w in workers}
     try:
-        return fut.result(timeout=timeout)
-    except concurrent.futures.TimeoutError:
-        log.warning("%s did not return within %.0fs on %s; restarting those workers", fn.__name__, timeout, workers)
-        client.restart_workers(workers, timeout=max(60.0, timeout), raise_for_error=False)
-        return {w: TimeoutError(f"{fn.__name__} timed out") for w in workers}
+        concurrent.futures.wait(futs.values(), timeout=timeout)
+        out, stuck = {}, []
+        for w, fut in futs.items():
+            if not fut.done():
+                stuck.append(w)
+                out[w] = TimeoutError(f"{name} timed out")
+            elif fut.exception() is not None:
+                out[w] = fut.exception()
+            else:
+                out.update(fut.result())
+        if stuck:
+            log.warning("%s did not return within %.0fs on %s; restarting those workers", name, timeout, stuck)
+            client.restart_workers(stuck, timeout=max(60.0, timeout), raise_for_error=False)
+        return out
     finally:
         pool.shutdown(wait=False)
 
@@ -305,7 +316,8 @@ class TrainerGang:
             results, error = results_of(futures, self.step_timeout_s, alive=self._alive)
             if error is None:
                 sums = [r["param_checksum"] for r in results]
-                if max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0])):
+                finite = [math.isfinite(s) for s in sums]
+                if (any(finite) and not all(finite)) or (all(finite) and max(sums) - min(sums) > 1e-6 * max(1.0, abs(sums[0]))):
                     raise RuntimeError(f"trainer ranks diverged at iteration {iteration}: parameter sums {sums}")
                 return {**results[0], "ranks": results}
             self.client.cancel(futures)
@@ -409,13 +421,14 @@ class TrainerGang:
         Waits until ``world_size`` trainer workers answer (a killed one is restarted by its
         nanny under a new address; the scheduler may list the dead one for a moment).
         """
-        deadline = time.time() + timeout
-        while True:
+        deadline = None  # from the end of the first pass: a stuck teardown alone takes timeout_s, and the
+        while True:      # workers it restarted answer on a later pass
             live = workers_with(self.client, TRAINER)
             answers = run_bounded(self.client, teardown, live, self.base_spec.timeout_s) if live else {}
             ok = sorted(w for w, a in answers.items() if a is True)
             if len(ok) >= self.base_spec.world_size:
                 break
+            deadline = time.time() + timeout if deadline is None else deadline
             if time.time() > deadline:
                 raise GangFailed(f"only {len(ok)} of {self.base_spec.world_size} trainer workers came back within {timeout:.0f}s")
             time.sleep(0.5)

@@ -137,6 +137,7 @@ def slurm_cluster(
     workers (``DASK_DISTRIBUTED__WORKER__DAEMON=False`` in the job script).
     """
     cluster = RoleSLURMCluster(n_workers=0, **cluster_options(threads_per_worker, **jobqueue_kwargs))
+    client = None
     try:
         cluster.add_jobs(ROLLOUT, rollout_jobs, **(rollout_job_kwargs or {}))
         cluster.add_jobs(TRAINER, trainer_jobs, **(trainer_job_kwargs or {}))
@@ -146,6 +147,8 @@ def slurm_cluster(
         wait_for_role(client, TRAINER, trainer_jobs, timeout=max(1.0, timeout - (time.time() - t0)))
         client.register_plugin(ThreadsPlugin(), name=THREADS_PLUGIN)
     except BaseException:
+        if client is not None:  # else it stays the default client, pointing at a closed scheduler
+            client.close()
         cluster.close()
         raise
     return client
