@@ -137,7 +137,9 @@ def load_state(store: AdapterStore, run_id: str) -> dict | None:
     if state.get("run_id") != run_id:
         raise ValueError(
             f"resume=True but the store's run state belongs to another configuration (run_id {state.get('run_id')} "
-            f"!= {run_id}); resume with the same config or start a fresh run_dir"
+            f"!= {run_id}); resume with the same config, and the store where the run wrote it (the id covers "
+            f"the store's root, now {store.root}: a run directory or store moved or renamed since cannot resume "
+            "there), or start a fresh run_dir"
         )
     return state
 

@@ -195,10 +195,10 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
     threads = int(env0.get("GRPO_KIT_THREADS") or 1)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     gpus = _visible_gpus()
-    while len(names) < n:  # the next device and cores round-robin, as connect placed the first workers
+    while len(names) < n:  # the first free slot's device and cores, as connect placed the first workers
         opts = dict(template["options"])
         if env0:
-            opts["env"] = worker_env(len(spec), threads, cpus if env0.get("GRPO_KIT_CPUS") else None, gpus)
+            opts["env"] = worker_env(free_slot(spec), threads, cpus if env0.get("GRPO_KIT_CPUS") else None, gpus)
         spec[f"{ROLLOUT}-{nxt}"] = {"cls": template["cls"], "options": opts}
         names.append(f"{ROLLOUT}-{nxt}")
         nxt += 1
@@ -218,8 +218,25 @@ def scale_rollout(client: Client, n: int, timeout: float = 120) -> list[str]:
         time.sleep(0.2)
 
 
+def free_slot(spec: dict) -> int:
+    """The lowest worker slot (``worker_env``'s ``k``, recorded as ``GRPO_KIT_SLOT``) no worker of a
+    :func:`connect` cluster's ``spec`` holds: after :func:`scale_rollout` shrank the cluster,
+    ``len(spec)`` is a slot still in use (a new worker there shared a device with the trainer while
+    others sat idle).
+
+    >>> free_slot({"rollout-0": {"options": {"env": {"GRPO_KIT_SLOT": "0"}}},
+    ...            "trainer-0": {"options": {"env": {"GRPO_KIT_SLOT": "2"}}}})
+    1
+    """
+    used = set()
+    for i, entry in enumerate(spec.values()):
+        slot = ((entry.get("options") or {}).get("env") or {}).get("GRPO_KIT_SLOT")
+        used.add(int(slot) if slot is not None else i)
+    return next(k for k in range(len(used) + 1) if k not in used)
+
+
 def worker_env(k: int, threads: int, cpus: list[int] | None, gpus: list[str]) -> dict[str, str]:
-    """The environment of the ``k``-th worker of a :func:`connect` cluster: ``threads`` torch/OpenMP
+    """The environment of the worker in slot ``k`` of a :func:`connect` cluster: ``threads`` torch/OpenMP
     threads, pinned to its own cores round-robin over ``cpus`` (None: not pinned), and device
     ``gpus[k % len(gpus)]`` where there are GPUs."""
     mine = [cpus[(k * threads + j) % len(cpus)] for j in range(threads)] if cpus else []
@@ -232,6 +249,7 @@ def worker_env(k: int, threads: int, cpus: list[int] | None, gpus: list[str]) ->
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)) if mine else "auto",
         "TOKENIZERS_PARALLELISM": "false",
         "GRPO_KIT_OWN_PGRP": "1",  # see ThreadsPlugin: a kernel interrupt must not reach the workers
+        "GRPO_KIT_SLOT": str(k),
     }
     if gpus:  # one device per worker, round-robin, as a GPU cluster gives each role its own
         env["CUDA_VISIBLE_DEVICES"] = gpus[k % len(gpus)]

@@ -257,7 +257,9 @@ _LOCK = threading.Lock()
 def get_state(spec: RankSpec) -> TrainerState:
     global _STATE
     with _LOCK:
-        if _STATE is None or _STATE.run_id != spec.run_id:
+        # another run, or this run's rank on another device (a re-formed gang's local ranks follow the
+        # workers' addresses: a worker that kept its state could otherwise share a GPU with a new one)
+        if _STATE is None or _STATE.run_id != spec.run_id or _STATE.device != rank_device(spec.local_rank):
             if _STATE is not None:
                 _STATE.teardown_group()
                 _STATE = None  # free the old policy before building the new one

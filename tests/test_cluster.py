@@ -127,14 +127,20 @@ def test_scale_rollout_places_new_workers_round_robin_like_connect(monkeypatch):
 
         return dask_worker.name, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("GRPO_KIT_CPUS")
 
-    client = cl.connect(n_rollout_workers=1, n_trainer_workers=1, pin_cpus=True, quiet=True)
+    client = cl.connect(n_rollout_workers=2, n_trainer_workers=1, pin_cpus=True, quiet=True)
     try:
         cl.scale_rollout(client, 3, timeout=120)
         spec = client.cluster.worker_spec
         devices = {name: spec[name]["options"]["env"]["CUDA_VISIBLE_DEVICES"] for name in spec}
-        assert devices == {"rollout-0": "0", "trainer-0": "1", "rollout-1": "2", "rollout-2": "3"}
+        assert devices == {"rollout-0": "0", "rollout-1": "1", "trainer-0": "2", "rollout-2": "3"}
         seen = {name: (dev, cpus) for name, dev, cpus in client.run(placement).values()}
         assert {name: dev for name, (dev, _) in seen.items()} == devices
         assert all(cpus for _, cpus in seen.values())  # pinned, as connect pinned the first two
+        # review finding: shrunk, then grown again, the new worker went on slot len(spec): the trainer's device
+        cl.scale_rollout(client, 1, timeout=120)
+        cl.scale_rollout(client, 2, timeout=120)
+        spec = client.cluster.worker_spec
+        assert {name: spec[name]["options"]["env"]["CUDA_VISIBLE_DEVICES"] for name in spec} == {
+            "rollout-0": "0", "trainer-0": "2", "rollout-1": "1"}
     finally:
         cl.shutdown(client)

@@ -79,6 +79,28 @@ def test_rank_device_follows_the_local_rank(monkeypatch):
     assert trainer.rank_device(2) == "cuda:0"
 
 
+def test_a_rank_moved_to_another_device_builds_its_state_again(monkeypatch):
+    """Review finding: a re-formed gang's local ranks follow the workers' addresses, and a worker that
+    kept its state kept its first device: beside a restarted worker given the same index, two ranks
+    shared a GPU (NCCL refuses). Fakes: this machine has no GPU."""
+
+    class Built:
+        def __init__(self, spec):
+            self.run_id, self.device, self.torn = spec.run_id, trainer.rank_device(spec.local_rank), False
+
+        def teardown_group(self):
+            self.torn = True
+
+    monkeypatch.setattr(trainer, "TrainerState", Built)
+    monkeypatch.setattr(trainer, "rank_device", lambda local_rank: f"cuda:{local_rank}")
+    monkeypatch.setattr(trainer, "_STATE", None)
+    spec = trainer.RankSpec.for_run(config.profile("tiny"), "r", "m", "s", None)
+    first = trainer.get_state(spec)
+    assert trainer.get_state(replace(spec, rank=1)) is first  # same run, same device: kept
+    moved = trainer.get_state(replace(spec, local_rank=1))
+    assert moved is not first and moved.device == "cuda:1" and first.torn
+
+
 def test_a_retried_step_adopts_the_version_an_earlier_attempt_published(tiny_path, tmp_path):
     """A gang failure can surface while rank 0's publish of v+1 is still running; the driver then
     retries the step. The retry used to overwrite optimizer/v+1 and then meet the published
