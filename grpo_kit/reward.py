@@ -3,7 +3,10 @@
 Rules, in order, and the one used is recorded in :attr:`RewardResult.rule`:
 
 - ``"marker"``: the number after the *first* ``####`` marker, as lm-evaluation-harness's GSM8K
-  strict match reads it. The first, not the last: a chat model that answers and then keeps
+  strict match reads it, with one difference: lm-eval skips a marker with no number after it
+  (``#### Step 1``, a Markdown heading) and reads the next; here the first marker decides, and a
+  heading before the answer voids it (the kit's GSM8K prompts ask for one marker, at the end;
+  :mod:`grpo_kit.tasks.math` reads headings as headings). The first, not the last: a chat model that answers and then keeps
   writing (``#### 18\\n\\nQuestion: ... #### 4``) is graded on its answer, not on what it invented
   after it. (A model that corrects itself with a second marker is graded on the first; the kit's
   stop rules end most completions at the answer anyway.) Markdown emphasis and code marks around

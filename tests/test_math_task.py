@@ -82,6 +82,9 @@ REJECTED = [
     ("\\boxed{\uff11\uff18}", "18", "fullwidth digits: math-verify reads no number"),
     ("so she has 18\u00bd cups", "18", "a vulgar fraction on the last number, no marker"),
     ("so she has 18 \u00bd cups", "18", "... after a space"),
+    # review: dollar amounts made the last $...$ a span between them, and the check read only that span
+    ("She pays $2 and $3, so the final answer is 18\u00bd.", "18", "a vulgar fraction beside dollar amounts"),
+    ("The answer is 18\u00bd cups, after adding $2 and $3 worth.", "18", "... before them"),
 ]
 
 
@@ -124,6 +127,12 @@ MARKER_LINES = [
     ("#### $\\frac{1}{2}$", "0.5", True),  # delimiters without words are still read whole
     ("#### 72", "72", True),
     ("#### 0.5", "1/2", True),
+    # review: a Markdown heading is not the marker; it replaced the \\boxed answer the instruction asks for
+    ("#### Step 1: Add the apples\n5 + 13 = 18\n#### Step 2: Answer\nSo the answer is \\boxed{18}.", "18", True),
+    ("#### Solution\nShe has 5 + 13 = 18 apples.\n\n\\boxed{18}", "18", True),
+    ("#### Step 18\nShe has 5 + 7 = 12 apples, \\boxed{12}", "18", False),  # the heading's number earns nothing
+    ("#### **Solution**\n#### 18", "18", True),  # the first marker with an answer after it
+    ("#### Step 1\n#### 17", "18", False),
 ]
 
 

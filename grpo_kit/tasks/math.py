@@ -145,15 +145,39 @@ def verifier() -> Verifier:
     return Verifier()
 
 
+_HEADING = re.compile(r"[^\W\d_]{2,}")
+"""A word at the start of a ``####`` line's text: a Markdown heading, not an answer."""
+
+
+def marker_at(text: str) -> int:
+    """Where the answer marker is: the first ``####`` whose line goes on with an answer (anything but
+    a word of two letters or more after spaces and Markdown marks: ``x + 1`` is an answer), or -1. A
+    Markdown heading (``#### Step 1: ...``, ``#### Solution``) is not a marker: chat models write
+    them, and the ``\\boxed{}`` answer the instruction asks for would otherwise be replaced by the
+    heading's text.
+
+    >>> marker_at("#### Step 1\\n5 + 13 = 18\\n#### 18"), marker_at("#### Solution\\n\\\\boxed{18}")
+    (24, -1)
+    """
+    at = text.find(MARKER)
+    while at >= 0:
+        rest = text[at + len(MARKER):].split("\n", 1)[0].strip().lstrip("*`_").lstrip()
+        if rest and _HEADING.match(rest) is None:
+            return at
+        at = text.find(MARKER, at + len(MARKER))
+    return -1
+
+
 def final_answer(text: str) -> str:
-    """What math-verify reads: the rest of the line after the first ``####`` when there is one, else ``text``.
+    """What math-verify reads: the rest of the line after the answer marker (:func:`marker_at`) when
+    there is one, else ``text``.
 
     >>> final_answer("48 + 24 = 72\\n#### 72\\nQuestion: ...")
     '72'
     >>> final_answer("so the answer is $\\\\frac{1}{2}$")
     'so the answer is $\\\\frac{1}{2}$'
     """
-    at = text.find(MARKER)
+    at = marker_at(text)
     if at < 0:
         return text
     return text[at + len(MARKER):].lstrip().split("\n", 1)[0].strip().strip("*`")
@@ -184,6 +208,20 @@ def read_span(text: str) -> str:
         return text[dollars[-2]: dollars[-1] + 1]
     numbers = list(_LAST_NUMBER.finditer(text))
     return numbers[-1].group() if numbers else ""
+
+
+def answer_spans(text: str) -> str:
+    """What the unreadable-character check reads in a completion without a marker: :func:`read_span`,
+    or, where the text has a ``$`` and no ``\\boxed``, every number with the character after it
+    (dollar amounts make the last ``$...$`` a span between two of them, and math-verify then reads
+    the answer from anywhere: ``18½`` was read as 18 with ``$2 and $3`` elsewhere in the text).
+
+    >>> answer_spans("She pays $2 and $3, so the answer is 18½."), answer_spans("½ of 36 is 18, so \\\\boxed{18}")
+    ('2 a 3, s 18½', '\\\\boxed{18}')
+    """
+    if "$" in text and "\\boxed" not in text:
+        return " ".join(m.group() for m in _LAST_NUMBER.finditer(text))
+    return read_span(text)
 
 
 def _gold_text(gold: str) -> str:
@@ -235,19 +273,19 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
         if not c.strip():
             out.append(RewardResult(0.0, None, "empty completion"))
             continue
-        pred = final_answer(c)
-        if unreadable_number(pred if MARKER in c else read_span(c)):
+        pred, marked = final_answer(c), marker_at(c) >= 0
+        if unreadable_number(pred if marked else answer_spans(c)):
             out.append(RewardResult(0.0, None, f"unreadable number in the answer: {pred[:20]!r}"))
             continue
-        if MARKER in c and stray_commas(pred):  # "#### 1,2345": math-verify would read 1234
+        if marked and stray_commas(pred):  # "#### 1,2345": math-verify would read 1234
             out.append(RewardResult(0.0, None, f"malformed number after {MARKER!r}: {pred[:20]!r}"))
             continue
         bare = pred.replace("\\boxed", " ").replace("$", " ")  # "#### 12 or \\boxed{13}" hedges too
-        if MARKER in c and _WORD.search(bare) and len(_NUMBER.findall(bare)) > 1:
+        if marked and _WORD.search(bare) and len(_NUMBER.findall(bare)) > 1:
             # "#### 12 or 13": math-verify would read the last
             out.append(RewardResult(0.0, None, f"more than one number among words after {MARKER!r}: {pred[:40]!r}"))
             continue
-        if MARKER in c and "\\boxed" not in pred and "$" not in pred and not _WORD.search(pred):
+        if marked and "\\boxed" not in pred and "$" not in pred and not _WORD.search(pred):
             pred = f"${pred}$"  # a bare expression, read whole as the gold is ("2^{5}" is 32, not 2)
         ans = v.check(pred, _gold_text(g), timeout_s)
         parsed = _as_float(ans.get("value"))
