@@ -23,7 +23,9 @@ Signs (``-``, ``+``, the Unicode minus) and decimals are kept; commas are read o
 separators (``1,234``, ``12,345,678``); answers compare as numbers, so ``18.00`` equals ``18`` and
 ``1,000`` equals ``1000``. Numbers glued to an exponent, a fraction bar, a power, a second decimal
 point or a comma that separates no thousands (``1e3``, ``3/4``, ``2^10``, ``1.2.3``, ``1,2,3``,
-``12,34``, ``0,5``), to a mixed number's fraction (``18 1/2``), to a character that is itself a
+``12,34``, ``0,5``), to a mixed number's fraction (``18 1/2``, ``18 \\frac{1}{2}``), to a ``**``
+power, a zero-width character, a digit group after a space or an apostrophe (``18 000``), a
+magnitude (``18k``, ``18 thousand``), to a character that is itself a
 number (``18½``, ``18²``) or to another script's decimal mark (``18٫5``, ``18.٥``) are rejected
 rather than read as their first digits or their digits run together, so they cannot score by
 accident. Answers compare exactly, as decimals (``17.99999999999999999`` is not 18).
@@ -69,7 +71,12 @@ _FREE_NUMBER_RE = re.compile(r"(?<![\w.,/^])" + _NUMBER)
 ARABIC_MARKS = "\u066b\u066c"
 """Arabic decimal and thousands separators (``18٫5``): another script's number punctuation."""
 _BAD_TAIL_RE = re.compile(r"[eE][-+]?[0-9]|[^\W\d]*\d|\s*[/^\u2044\u2215]\s*\d|\^|[.,\u00b7\uff0e\uff0c" + ARABIC_MARKS
-                          + r"]\d|\s+\d+\s*[/\u2044\u2215]\s*\d")
+                          + r"]\d|\s+\d+\s*[/\u2044\u2215]\s*\d"
+                          # a LaTeX fraction, a ** power, a zero-width character or a digit group after a space
+                          # or an apostrophe (18 \frac{1}{2}, 18**2, 18<ZWSP>5, 18<thin space>000, 18'000), a
+                          # magnitude (18k, 18M, 18 thousand): not 18
+                          r"|\s*\\[dt]?frac|\s*\*\*\s*\d|[\u200b-\u200d\u2060\ufeff]+\d|[ \t\u00a0\u2009\u202f'\u2019]\d{3}(?!\d)"
+                          r"|(?:k|K|M|B|bn)\b|\s*(?:hundred|thousand|million|billion|trillion)\b")
 # ...nor a character that is itself a number (a vulgar fraction, a superscript power: 18½, 18²)
 NUMBER_CHARACTERS = ("Nl", "No")
 """Unicode categories of characters that are numbers but not decimal digits (``½``, ``²``, ``Ⅻ``)."""

@@ -103,6 +103,19 @@ EXTRACT_CASES = [
     ("#### 1e3", False, None),  # scientific notation is rejected, never read as 1
     ("#### 3/4", False, None),  # a fraction is rejected, never read as 3
     ("#### 3 / 4", False, None),  # ... spaces around the bar too
+    # review: each of these read as 18 (rewards.math read the first as 18.5)
+    ("#### 18 \\frac{1}{2}", False, None),
+    ("#### 18**2", False, None),
+    ("#### 18\u200b5", False, None),  # a zero-width space inside 185
+    ("#### 18\u202f000", False, None),  # a thin-space thousands separator
+    ("#### 18 000", False, None),
+    ("#### 18'000", False, None),
+    ("#### 18k", False, None),
+    ("#### 18M", False, None),
+    ("#### 18 thousand", False, None),
+    ("#### 18 apples, 12 pears", False, 18),  # a digit group needs three digits after the space
+    ("#### 18 kg", False, 18),  # a unit after a space, as before
+    ("#### 18\n100 people came", False, 18),  # a number on the next line is not a digit group
     ("#### 2^10", False, None),  # a power is rejected, never read as 2
     ("#### 1.2.3", False, None),  # a version-like string is rejected, never read as 1.2
     ("#### 0x1F", False, None),  # hex is rejected, never read as 0
