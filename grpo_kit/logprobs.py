@@ -27,13 +27,16 @@ from torch import Tensor, nn
 
 def attention_window(model: nn.Module) -> int | None:
     """The sliding attention window of a model's layers (Gemma-2/3, Mistral-v0.1, Qwen with
-    ``use_sliding_window``), or None where every layer attends to the whole sequence. The shared-
-    prompt forwards (:func:`shared_prompt_logprobs`, packed ``share_prompt``) place completions at
-    cache indices past the padded prompt, which a window counts in: they are exact only where no
-    sequence is longer than the window."""
+    ``use_sliding_window``, GPT-Neo's ``local`` layers), or None where every layer attends to the
+    whole sequence. The shared-prompt forwards (:func:`shared_prompt_logprobs`, packed
+    ``share_prompt``) place completions at cache indices past the micro-batch's longest prompt, which
+    a window counts in: they are exact only where the longest prompt and the longest completion
+    side together fit in the window (:func:`shares_within`)."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
+    if "local" in (getattr(cfg, "attention_layers", None) or ()) and getattr(cfg, "window_size", None):
+        return int(cfg.window_size)  # GPT-Neo: its local layers' window
     window = getattr(cfg, "sliding_window", None)
     if not window or getattr(cfg, "use_sliding_window", True) is False:
         return None
@@ -41,6 +44,19 @@ def attention_window(model: nn.Module) -> int | None:
     if types is not None and "sliding_attention" not in types:
         return None
     return int(window)
+
+
+def shares_within(window: int | None, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> bool:
+    """Whether shared-prompt forwards of any micro-batch of these rows stay exact under a sliding
+    attention ``window`` (None: no window): the longest prompt plus the longest completion side (the
+    cache indices a completion token reaches) fit in it. The batch's width alone did not: a row with
+    a long prompt and another with a long completion fit it, while a completion token's cache index
+    is the longest prompt plus its own place."""
+    if window is None or input_ids.shape[0] == 0:
+        return True
+    prompt_len, _ = prompt_runs(input_ids, attention_mask, completion_mask)
+    side = attention_mask.sum(dim=1) - prompt_len
+    return int(prompt_len.max()) + int(side.max()) <= window
 
 
 def token_logprobs(

@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from grpo_kit import algorithms
 from grpo_kit.config import LossConfig, OptimConfig
-from grpo_kit.logprobs import attention_window, shared_prompt_logprobs, token_logprobs
+from grpo_kit.logprobs import attention_window, shared_prompt_logprobs, shares_within, token_logprobs
 from grpo_kit.loss import LossStats, Normalizer, mismatch_sums
 from grpo_kit.packing import balanced_shard_sizes, check_packing, micro_batch_bounds, packed_costs, packed_logprobs
 
@@ -265,12 +265,12 @@ def grpo_step(
     # (2) local micro-batches; gradients accumulate without communication. Shared prompts only
     # where no sequence outruns a sliding attention window (logprobs.attention_window)
     window = attention_window(module)
-    share = optim_cfg.share_prompt and (window is None or batch.input_ids.shape[1] <= window)
+    share = optim_cfg.share_prompt and shares_within(window, batch.input_ids, batch.attention_mask, batch.completion_mask)
     if optim_cfg.share_prompt and not share:
         # one text per model: Python's default filter shows it once per process, not every step
-        warnings.warn(f"share_prompt is off for batches with sequences longer than the model's sliding attention "
-                      f"window ({window} tokens): a shared prompt's cache positions would misplace the window "
-                      "(set share_prompt=False to silence this)", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"share_prompt is off for batches whose longest prompt and longest completion together pass "
+                      f"the model's sliding attention window ({window} tokens): a shared prompt's cache positions "
+                      "would misplace the window (set share_prompt=False to silence this)", RuntimeWarning, stacklevel=2)
     if optim_cfg.packing:
         if not share:
             check_packing(module)  # once per model class: its attention must see the packed boundaries

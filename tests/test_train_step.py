@@ -376,6 +376,44 @@ def test_a_sliding_window_model_trains_without_shared_prompts_past_its_window(pa
     assert all(torch.allclose(updates[True][k], updates[False][k], rtol=1e-9, atol=1e-12) for k in updates[False])
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_shared_prompts_stay_off_where_the_longest_prompt_and_completion_pass_the_window(packing):
+    """Review finding: the guard compared the batch's width with the window, but a completion token's
+    cache index is the micro-batch's longest prompt plus its own place: one row with a long prompt
+    and one with a long completion (width 11, window 12) trained on log-probs 0.08 off, unwarned."""
+    gen = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    batch = collate([(ids(10), ids(1), [-3.0], 1.0), (ids(1), ids(10), [-3.0] * 10, -1.0)], pad_id=0,
+                    dtype=torch.float64)
+    windowed = {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 0}
+    assert batch.input_ids.shape[1] <= 12  # the old guard let sharing on
+    updates = {}
+    for share in (False, True):
+        model = tiny_model(**windowed)
+        before = lora_params(model)
+        cfg = OptimConfig(share_prompt=share, packing=packing, micro_batch_tokens=10_000, max_grad_norm=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), cfg)
+        assert any("sliding attention window (12 tokens)" in str(w.message) for w in caught) == share
+        updates[share] = {k: v - before[k] for k, v in lora_params(model).items()}
+    assert all(torch.allclose(updates[True][k], updates[False][k], rtol=1e-9, atol=1e-12) for k in updates[False])
+
+
+def test_gpt_neo_local_layers_are_a_sliding_window():
+    """Review finding: GPT-Neo names its window ``window_size`` on ``local`` layers; read as no window,
+    shared prompts stayed on and its update was 12% off past 256 tokens."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    from grpo_kit.logprobs import attention_window
+
+    local = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2,
+                                           attention_types=[[["global", "local"], 1]], window_size=4))
+    plain = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=16, num_layers=2, num_heads=2,
+                                           attention_types=[[["global"], 2]], window_size=4))
+    assert (attention_window(local), attention_window(plain)) == (4, None)
+
+
 def test_an_all_zero_advantage_batch_still_steps_the_optimizer_as_the_whole_batch_would():
     """Review finding: with no row left to run, no gradient existed and AdamW skipped every parameter
     (no decay, no moment update, no step count) in one process, while DDP (zero reduced gradients)
