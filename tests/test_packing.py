@@ -72,7 +72,8 @@ def test_packed_logprobs_equal_the_padded_forward(attn, logprob_tol, grad_tol, s
         with torch.no_grad():
             hot = [fn(model, *args, temperature=0.7) for fn in (token_logprobs, packed_logprobs)]
         torch.testing.assert_close(hot[1], hot[0], rtol=1e-10, atol=logprob_tol)
-    none = batch[1:2].trim()  # nothing scored: still a graph for the backward
+    none = make_batch(11, seed=4, group=4)[1:2].trim()  # nothing scored: still a graph for the backward
+    assert int(none.completion_mask.sum()) == 0  # (the episode batch's row 1 has scored tokens: review)
     assert packed_logprobs(model, none.input_ids, none.attention_mask, none.completion_mask).requires_grad
 
 

@@ -62,9 +62,18 @@ def test_scoring_forwards_have_no_dropout(tiny_path):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
+        for m in model.modules():  # LoRA dropout that drops in train mode (the profile's is 0, an Identity: review)
+            if isinstance(getattr(m, "lora_dropout", None), torch.nn.ModuleDict):
+                for k in m.lora_dropout:
+                    m.lora_dropout[k] = torch.nn.Dropout(0.5).train(m.training)  # in the mode the policy was built in
     a = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
     b = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
     assert torch.equal(a, b)
+    with torch.no_grad():  # the check can fail: in train mode the same forwards differ
+        model.train()
+        dropped = token_logprobs(model, batch.input_ids, batch.attention_mask, batch.completion_mask)
+        model.eval()
+    assert not torch.equal(a, dropped)
     (a * batch.completion_mask).sum().backward()  # gradients still flow in eval mode
     grads = [p.grad for n, p in model.named_parameters() if p.requires_grad]
     assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
