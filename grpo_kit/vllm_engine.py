@@ -415,7 +415,8 @@ class VLLMEngine:
     def turn_params(self, seed: int, max_new_tokens: int, temperature: float, stop: Sequence[str]):
         """The ``SamplingParams`` of one seeded continuation (processed log-probs of the sampled ids)."""
         extra = {"flat_logprobs": True, **self._final_only} if self._flat else dict(self._final_only)
-        extra.update({"stop": list(stop), "include_stop_str_in_output": True, "detokenize": True} if stop
+        stop = [s for s in stop if s]  # "" stops nothing (the kit's cut ignores it; vLLM refuses it)
+        extra.update({"stop": stop, "include_stop_str_in_output": True, "detokenize": True} if stop
                      else {"detokenize": False})
         return self._SamplingParams(logprobs=0, n=1, temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0,
                                     seed=int(seed), max_tokens=int(max_new_tokens),

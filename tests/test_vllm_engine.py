@@ -416,6 +416,16 @@ def test_turn_batch_joins_the_running_batch_and_samples_what_sample_ids_does(eng
     assert not engine.llm.llm_engine.has_unfinished_requests()
     again = engine.sample_ids(prompts[:2], seeds=range(2), version=1, max_new_tokens=[MAX_NEW] * 2)
     assert [c.ids for c in again] == [c.ids for c in ref[:2]]
+    # review finding: an empty stop string (which stops nothing, as on the transformers engine) made
+    # vLLM refuse the request
+    empty = engine.sample_ids(prompts[:2], seeds=range(2), version=1, max_new_tokens=[MAX_NEW] * 2, stop=("",))
+    assert [c.ids for c in empty] == [c.ids for c in ref[:2]]
+    with engine.turn_batch(version=1, stop=("",)) as batch:
+        batch.add(0, prompts[0], seed=0, max_new_tokens=MAX_NEW)
+        out = []
+        while batch.busy:
+            out += batch.step()
+    assert out[0][1].ids == ref[0].ids
 
 
 def test_quieted_silences_a_logger_and_its_children_and_restores_their_levels():
