@@ -337,21 +337,34 @@ class AdapterStore:
 
     def versions(self) -> list[int]:
         """Published versions (those with a manifest), ascending."""
+        return self._scan()[0]
+
+    def unpublished(self) -> list[int]:
+        """Versions whose folder holds files but no manifest, ascending: a publish that has not
+        written its manifest yet (or never will: it crashed), or a deletion that removed the
+        manifest and failed before the files (retention sweeps those)."""
+        published, folders = self._scan()
+        return sorted(set(folders) - set(published))
+
+    def _scan(self) -> tuple[list[int], list[int]]:
+        """(versions with a manifest, versions with any file), from one listing."""
         base = f"{self.path}/adapters"
         self.fs.invalidate_cache(base)  # s3fs caches listings
         try:
             found = self.fs.find(base)  # one recursive listing on object stores
         except FileNotFoundError:
-            return []
-        out = set()
+            return [], []
+        out, folders = set(), set()
         top = base.split("://")[-1].strip("/")  # find() gives paths without the protocol
         for p in found:
             rel = p.split("://")[-1].strip("/").removeprefix(top).strip("/").split("/")
-            # only a manifest directly in adapters/, in a folder named as _version_path names it (a
-            # nested copy or "v12" would list a version that exists() and fetch() cannot find)
-            if len(rel) == 2 and rel[1] == MANIFEST and (m := _VERSION_DIR.fullmatch(rel[0])) and rel[0] == f"v{int(m.group(1)):06d}":
-                out.add(int(m.group(1)))
-        return sorted(out)
+            # only a folder directly in adapters/ named as _version_path names it (a nested copy or
+            # "v12" would list a version that exists() and fetch() cannot find)
+            if len(rel) >= 2 and (m := _VERSION_DIR.fullmatch(rel[0])) and rel[0] == f"v{int(m.group(1)):06d}":
+                folders.add(int(m.group(1)))
+                if len(rel) == 2 and rel[1] == MANIFEST:
+                    out.add(int(m.group(1)))
+        return sorted(out), sorted(folders)
 
     def latest(self) -> int | None:
         """The highest published version, or None for an empty store."""

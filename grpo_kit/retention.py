@@ -13,12 +13,16 @@ deletes the versions the policy no longer keeps:
   its run state names).
 
 A version is deleted manifest first (:meth:`AdapterStore.delete`), so a reader never fetches half of
-one; its optimizer state, if the trainer has not already removed it, goes with it. A resumed run
-sweeps the whole store once, so a version a crash left behind is pruned then.
+one; its optimizer state, if the trainer has not already removed it, goes with it. A deletion that
+fails (an object store's transient error) warns and is retried after the next commit: it never
+stops the run. A resumed run sweeps the whole store once, so a version a crash left behind is
+pruned then, and so are the files of a version whose manifest a failed deletion had removed (an
+optimizer state such a deletion left is not found again once its process is gone).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 
 from .adapters import AdapterStore, VersionNotFoundError
@@ -68,6 +72,10 @@ class Pruner:
         self.store, self.keep_versions, self.keep_every = store, keep_versions, keep_every
         self.deferred: set[int] = set()
         self.deleted: list[int] = []
+        """Versions removed (a published one, or the files a failed deletion or a crash left)."""
+        self.unfinished: dict[int, str | None] = {}
+        """Versions whose deletion failed -> the optimizer state still to remove ("" none, None not
+        known yet): retried after each commit."""
 
     def _drop(self, version: int, latest: int, protect: set[int]) -> None:
         if version <= 0 or kept(version, latest, self.keep_versions, self.keep_every):
@@ -77,13 +85,34 @@ class Pruner:
             self.deferred.add(version)
             return
         self.deferred.discard(version)
-        if delete_version(self.store, version, leftovers=True):  # old versions: no publish of them runs
-            self.deleted.append(version)
+        self._remove(version)
+
+    def _remove(self, version: int) -> None:
+        """Delete ``version`` whole (old versions: no publish of them runs), its optimizer state
+        too; a failure warns and leaves it in :attr:`unfinished` for the next commit."""
+        state = self.unfinished.pop(version, None)
+        try:
+            if state is None:
+                try:
+                    state = self.store.manifest(version).get("meta", {}).get(OPTIMIZER_STATE_KEY) or ""
+                except VersionNotFoundError:  # no manifest (left by a failed deletion or a crash): files only
+                    state = ""
+            self.store.delete(version, leftovers=True)
+            if state:
+                self.store.delete_state(state)
+        except Exception as e:  # noqa: BLE001 - storage errors: the run goes on, the deletion is retried
+            self.unfinished[version] = state
+            warnings.warn(f"retention could not delete adapter v{version} ({type(e).__name__}: {e}); retried after "
+                          "the next commit", RuntimeWarning, stacklevel=3)
+            return
+        self.deleted.append(version)
 
     def after_commit(self, latest: int, protect: Iterable[int] = ()) -> None:
         if self.keep_versions <= 0:
             return
         protect = {latest, *protect}
+        for v in sorted(self.unfinished):
+            self._remove(v)
         for v in sorted({latest - self.keep_versions, *self.deferred}):
             self._drop(v, latest, protect)
 
@@ -93,3 +122,6 @@ class Pruner:
         protect = {latest, *protect}
         for v in self.store.versions():
             self._drop(v, latest, protect)
+        for v in self.store.unpublished():  # below the latest: no publish of them can be running
+            if v < latest and v not in protect:
+                self._remove(v)
