@@ -389,9 +389,14 @@ def ensure_tiny_model(spec: TinySpec | None = None, *, cache_dir: str | os.PathL
         shipped = prebuilt(spec)
         if shipped is not None:
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=".copy-"))
-            for f in shipped.iterdir():
-                shutil.copyfile(f, tmp / f.name)
-            tmp.rename(out)
+            try:
+                for f in shipped.iterdir():
+                    shutil.copyfile(f, tmp / f.name)
+                if out.exists():  # an unfinished copy or build without its marker (we hold the lock)
+                    shutil.rmtree(out)
+                tmp.rename(out)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
             return out
         import torch
 
