@@ -216,6 +216,25 @@ def resolve_model(model: str, *, progress: bool = True) -> str:
     return _from_hub(model)
 
 
+def missing_weights(snapshot: str) -> str | None:
+    """What a snapshot lacks to be loaded, or None: no ``*.safetensors`` weights, or shards its
+    ``model.safetensors.index.json`` names that are not there (an interrupted download).
+
+    >>> missing_weights("/nonexistent")
+    'holds no *.safetensors weights'
+    """
+    root = Path(snapshot)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"holds an unreadable model.safetensors.index.json ({type(e).__name__})"
+        absent = sorted(s for s in shards if not (root / s).is_file())
+        return f"lacks {len(absent)} of the {len(shards)} weight shards its index names ({absent[0]}, ...)" if absent else None
+    return None if any(root.glob("*.safetensors")) else "holds no *.safetensors weights"
+
+
 def _from_hub(repo_id: str) -> str:
     from huggingface_hub import snapshot_download
 
@@ -225,16 +244,22 @@ def _from_hub(repo_id: str) -> str:
     except Exception as e:  # noqa: BLE001 - any failure here means "not cached"; reported below
         tried.append(f"the local Hugging Face cache: {type(e).__name__}")
     else:  # a tokenizer or config loaded earlier caches a snapshot without weights
-        if any(Path(cached).glob("*.safetensors")):
+        missing = missing_weights(cached)
+        if not missing:
             return cached
-        tried.append(f"the local Hugging Face cache: {cached} holds no *.safetensors weights")
+        tried.append(f"the local Hugging Face cache: {cached} {missing}")
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
         tried.append("the hub: skipped (HF_HUB_OFFLINE is set)")
     else:
         try:
-            return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+            got = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
         except Exception as e:  # noqa: BLE001 - no network, no such repo, gated...: all reported below
             tried.append(f"the hub: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        else:
+            missing = missing_weights(got)
+            if not missing:
+                return got
+            tried.append(f"the hub: {got} {missing} (the kit loads safetensors weights only)")
     raise ModelNotFoundError(
         f"model {repo_id!r} is not a built-in name ({', '.join(BUILT_IN)}) or a local directory, and could not be "
         f"loaded as a hub id. Tried {'; '.join(tried)}. Offline, pass model='/path/to/checkpoint' or a built-in name."

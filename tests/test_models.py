@@ -102,3 +102,12 @@ def test_a_cached_hub_snapshot_without_weights_is_not_taken(tmp_path, monkeypatc
         models.resolve_model("someorg/somemodel")
     (snap / "model.safetensors").write_bytes(b"")  # with weights it is the model
     assert models.resolve_model("someorg/somemodel") == str(snap)
+    # review finding: a sharded download interrupted after its first shard was taken as the model
+    (snap / "model.safetensors").unlink()
+    (snap / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (snap / "model-00001-of-00002.safetensors").write_bytes(b"")
+    with pytest.raises(models.ModelNotFoundError, match="lacks 1 of the 2 weight shards"):
+        models.resolve_model("someorg/somemodel")
+    (snap / "model-00002-of-00002.safetensors").write_bytes(b"")
+    assert models.resolve_model("someorg/somemodel") == str(snap)
