@@ -64,6 +64,7 @@ def restore(store: AdapterStore, run_id: str, files: RunFiles, resume: bool,
         for p in (files.metrics, files.samples, files.rollouts, files.summary):
             p.unlink(missing_ok=True)
         state = fresh_state(run_id)
+    files.summary.unlink(missing_ok=True)  # a resumed run is not finished until it ends again (notebook 04 reads it)
     state = reconcile(state, store)
     if train_rows is not None:
         state["train_rows"] = train_rows

@@ -102,13 +102,15 @@ def test_resume_against_a_store_without_the_run_refuses_and_deletes_nothing(tmp_
     files.root.mkdir()
     lines = "".join(json.dumps({"iteration": i, "version": i + 1}) + "\n" for i in range(30))
     files.metrics.write_text(lines)
+    files.summary.write_text("{}")
     with pytest.raises(FileNotFoundError, match="holds no run state and no version.*up to 29"):
         checkpoint.restore(AdapterStore(str(tmp_path / "wrong-store")), "rid", files, resume=True)
-    assert files.metrics.read_text() == lines
+    assert files.metrics.read_text() == lines and files.summary.exists()  # a refused resume deletes nothing
     # a run that died in iteration 0 before its first publish resumes from scratch, as before
     files.metrics.write_text(json.dumps({"iteration": 0, "version": 1}) + "\n")
     state, records = checkpoint.restore(AdapterStore(str(tmp_path / "store")), "rid", files, resume=True)
     assert (state["next_iteration"], records) == (0, [])
+    assert not files.summary.exists()  # review: a resumed run read as finished (notebook 04) until it ended
 
 
 def test_records_of_versions_retention_pruned_are_not_rebuilt(tmp_path):

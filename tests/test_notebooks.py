@@ -257,6 +257,10 @@ def test_tools_notebook_trains_episodes_with_a_tool_defined_in_a_cell(tmp_path):
     assert "held-out tool rate" in stdout(nb) and "[assistant] " in stdout(nb)
     assert "episodes ended: answered" in (run_dir / "report.html").read_text()
     assert '<div class="episode">' in (run_dir / "report.html").read_text()
+    # review finding: 04 sampled the built-in synthetic task's problems for a run of a Task object
+    inspect = execute("04_inspect_run.ipynb", tmp_path, run_dir=str(run_dir), n_samples=2)
+    assert not error_outputs(inspect)
+    assert "not sampled: the run trained on task 'calculator' (multi-turn episodes)" in stdout(inspect)
 
 
 def test_algorithms_notebook_runs_a_loss_defined_in_a_cell(tmp_path):
