@@ -15,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +278,7 @@ def write_report(run_dir: str | os.PathLike, path: str | os.PathLike | None = No
         doc = html.escape((builders[name].__doc__ or "").strip().split("\n")[0])
         sections.append(f'<section class="plot" id="section-{name}">{div}<p class="meta">{doc}</p></section>')
     title = html.escape(Path(run_dir).resolve().name)
-    written = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    written = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     page = f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>GRPO run {title}</title><style>{_CSS}</style></head>
 <body><main>

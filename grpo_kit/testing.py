@@ -229,8 +229,8 @@ class Notes:
 
 def notes_task(n_problems: int = 64):
     """A multi-turn task on the synthetic questions: :class:`Notes` as the environment,
-    :class:`CallEveryTurn` as the parser, rewarded by the environment (the number of turns the
-    episode lasted) plus the final answer's correctness."""
+    :class:`CallEveryTurn` as the parser, rewarded by the environment alone (:func:`env_reward`: the
+    number of notes the episode took, one per tool call), correct from 2 notes on."""
     from . import data
     from .tasks import Task
     from .tasks.base import env_reward

