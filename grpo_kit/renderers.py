@@ -262,10 +262,24 @@ class PlainRenderer:
         """Stop strings that end a turn: the plain call's closing tag, then the run's own (``sampling.stop``)."""
 
     def prompt(self, messages: list[dict], schemas: Sequence[dict]) -> str:
+        """A line per tool, then the conversation as the single-turn plain prompt renders it
+        (:meth:`grpo_kit.prompts.PromptFormat.plain`: a system message's text as a line, each user
+        turn as a question, earlier answers and tool results after it), the last user message
+        holding the instruction already (``PromptFormat.messages``). Until 2026-12-03 only the last
+        user message was kept (a review: a conversation's system message and earlier turns were lost)."""
         lines = [f"Tool: {s['function']['name']}({', '.join(s['function']['parameters'].get('properties', {}))})"
                  f" {s['function'].get('description', '')}".rstrip() for s in schemas]
-        user = next(m["content"] for m in reversed(messages) if m["role"] == "user")
-        return "".join(f"{line}\n" for line in lines) + f"Question: {user}\nAnswer:\n"  # data.PROMPT_TEMPLATE
+        last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        out = []
+        for i, m in enumerate(messages):
+            text = m["content"].strip() if i != last else m["content"]
+            if m["role"] == "user":  # data.PROMPT_TEMPLATE: an earlier turn's instruction is empty
+                out.append(f"Question: {text}\n{'' if i == last else chr(10)}Answer:\n")
+            elif m["role"] == "tool":
+                out.append(f"Result: {text}\n")
+            else:
+                out.append(f"{text}\n")
+        return "".join(f"{line}\n" for line in lines) + "".join(out)
 
     def encode_prompt(self, text: str) -> list[int]:
         """The prompt's ids with the tokenizer's own special tokens (a BOS), as a plain single-turn

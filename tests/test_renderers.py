@@ -42,6 +42,11 @@ def test_prompts_without_tools_are_the_single_turn_prompts(tok):
     q = "What is 2 + 3?"
     assert ChatRenderer(tok).prompt(fmt.messages(q), []) == fmt.render(tok, q)
     assert PlainRenderer(tok).prompt(fmt.messages(q), []) == data.format_prompt(q)  # the tiny model's template
+    # review finding: a conversation's system message and earlier turns were dropped from the plain prompt
+    conv = [{"role": "system", "content": "Use base 8."}, {"role": "user", "content": "What is 1+1?"},
+            {"role": "assistant", "content": "2"}, {"role": "user", "content": "What is 5+5?"}]
+    assert PlainRenderer(tok).prompt(fmt.messages(conv), []) == fmt.plain(conv)
+    assert "Use base 8.\n" in fmt.plain(conv) and "What is 1+1?" in fmt.plain(conv)
 
 
 def test_tools_reach_the_prompt(tok):
