@@ -321,7 +321,9 @@ class EpisodeConfig:
     """Completion-side tokens per episode at most: sampled plus environment ids. It is also dr_grpo's
     constant length in multi-turn runs (the loss counts sampled tokens only)."""
     tool_timeout_s: float = 10.0
-    """Wall-clock limit of one tool call (past it the model gets a ``"timeout"`` error answer)."""
+    """Wall-clock limit of one tool call (past it the model gets a ``"timeout"`` error answer), and of
+    an environment's ``reset`` (past it the episode ends in an error) and ``get_reward`` (past it the
+    reward is missing)."""
     max_tool_calls: int = 8
     """Tool calls run per turn; later ones get a ``"too_many_calls"`` error answer."""
     tool_workers: int = 64

@@ -58,7 +58,7 @@ from .config import EpisodeConfig
 from .prompts import PromptFormat, prompt_of
 from .renderers import PrefixError, Renderer, continues_after, decode, environment_ids
 from .rollout import Continuation, Rollout
-from .tools import ToolBox, ToolResult, environment_tools, exception_text, parser, resolve
+from .tools import ToolBox, ToolResult, bounded, environment_tools, exception_text, parser, resolve
 
 END_REASONS = ("answered", "max_turns", "budget", "error")
 DEFAULT_TURN_TOKENS = 64
@@ -357,11 +357,15 @@ class EpisodeRunner:
         obs = None
         if broken:  # the episode keeps its prompt and samples nothing, as when reset raises
             ep.end_reason, ep.error = "error", broken
-        if env is not None:
-            try:  # a row of its own (a deep copy): an environment that edits it changes no other episode
-                obs = env.reset(**copy.deepcopy(problem_row(p)))
-            except Exception as e:  # one broken row must not stop the batch; the episode keeps its prompt
-                ep.end_reason, ep.error = "error", f"reset raised {exception_text(e)}"
+        if env is not None:  # a row of its own (a deep copy): an environment that edits it changes no other
+            row = copy.deepcopy(problem_row(p))  # episode; one broken row must not stop the batch, nor one
+            value, kind, _ = bounded(lambda: resolve(env.reset(**row)), self.cfg.tool_timeout_s, "reset")  # slow reset
+            if kind is None:
+                obs = value
+            else:  # the episode keeps its prompt and samples nothing
+                ep.end_reason = "error"
+                ep.error = f"reset raised {value}" if kind == "raised" else \
+                    f"reset timed out after {self.cfg.tool_timeout_s:g} s (tool_timeout_s)"
         if obs is not None:
             ep.messages[-1] = {**ep.messages[-1], "content": ep.messages[-1]["content"] + str(obs)}
         live.history = self.renderer.prompt(ep.messages, live.schemas)
@@ -484,11 +488,15 @@ class EpisodeRunner:
         lv.ep.end_reason = reason
         return False
 
-    @staticmethod
-    def finish(lv: Live) -> None:
+    def finish(self, lv: Live) -> None:
+        """The environment's reward (``get_reward()``, bounded by ``tool_timeout_s`` as a tool is: it
+        may work on what the policy wrote); raising or past the limit, the reward is missing (the
+        trainer decides) and the episode records why."""
         if lv.env is None or not callable(getattr(lv.env, "get_reward", None)) or lv.ep.end_reason == "error":
             return
-        try:
-            lv.ep.env_reward = float(resolve(lv.env.get_reward()))
-        except Exception as e:  # the episode stays; its reward is missing (the trainer decides)
-            lv.ep.error = f"get_reward raised {exception_text(e)}"
+        value, kind, _ = bounded(lambda: float(resolve(lv.env.get_reward())), self.cfg.tool_timeout_s, "get_reward")
+        if kind is None:
+            lv.ep.env_reward = value
+        else:
+            lv.ep.error = f"get_reward raised {value}" if kind == "raised" else \
+                f"get_reward timed out after {self.cfg.tool_timeout_s:g} s (tool_timeout_s)"

@@ -246,6 +246,31 @@ def exception_text(e: BaseException, limit: int = 500) -> str:
     return f"{type(e).__name__}: {msg[:limit]}"
 
 
+def bounded(fn: Callable[[], Any], timeout_s: float, name: str = "bounded") -> tuple[Any, str | None, float]:
+    """``fn()`` in a daemon thread, abandoned at ``timeout_s``: ``(value, None, seconds)``, or
+    ``(exception_text, "raised", seconds)``, or ``(None, "timeout", seconds)``. A thread cannot be
+    killed: an abandoned one runs on (use the sandbox for untrusted code); one that held the
+    interpreter's lock past the limit could not be left, and is past its limit all the same."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # reported; the run goes on
+            box["raised"] = exception_text(e)
+
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=target, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    dt = time.perf_counter() - t0
+    if worker.is_alive() or dt > timeout_s:
+        return None, "timeout", dt
+    if "raised" in box:
+        return box["raised"], "raised", dt
+    return box["value"], None, dt
+
+
 class ToolBox:
     """Named tools and how to call them safely (see the module docstring)."""
 
@@ -278,26 +303,13 @@ class ToolBox:
             inspect.signature(fn).bind(*call.args, **(call.kwargs or {}))
         except TypeError as e:
             return ToolResult(name, error_text(f"bad arguments for {name}: {e}"), "bad_arguments")
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["value"] = str(resolve(fn(*call.args, **(call.kwargs or {}))))  # str() may raise too
-            except BaseException as e:  # reported to the model; the run goes on
-                box["raised"] = exception_text(e)
-
-        t0 = time.perf_counter()
-        worker = threading.Thread(target=target, name=f"tool-{name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        dt = time.perf_counter() - t0
-        # abandoned: a thread cannot be killed (use the sandbox for untrusted code); one that held the
-        # interpreter's lock past the limit could not be left, and is past its limit all the same
-        if worker.is_alive() or dt > self.timeout_s:
+        # str() of the result may raise too
+        value, kind, dt = bounded(lambda: str(resolve(fn(*call.args, **(call.kwargs or {})))), self.timeout_s, f"tool-{name}")
+        if kind == "timeout":
             return ToolResult(name, error_text(f"{name} timed out after {self.timeout_s:g} s"), "timeout", dt)
-        if "raised" in box:
-            return ToolResult(name, error_text(f"{name} raised {box['raised']}"), "raised", dt)
-        return ToolResult(name, box["value"], None, dt)
+        if kind == "raised":
+            return ToolResult(name, error_text(f"{name} raised {value}"), "raised", dt)
+        return ToolResult(name, value, None, dt)
 
     def call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """One turn's calls, in order (an environment's state may depend on the order); calls past

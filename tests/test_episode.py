@@ -662,3 +662,34 @@ def test_a_get_reward_whose_error_cannot_be_printed_ends_only_its_episode(smol_t
         data.synthetic_problems(1, split="train", seed=0), 2)
     assert [e.env_reward for e in eps] == [None, None]
     assert all(e.error == "get_reward raised KeyError: (its message could not be made: ValueError)" for e in eps)
+
+
+def test_a_reset_or_get_reward_past_the_tool_limit_ends_only_its_episode(smol_tok):
+    """Review finding: reset() and get_reward() ran without a time limit; one that hangs (a reward
+    computed from what the policy wrote) held the whole chunk. Both are bounded by tool_timeout_s."""
+    import time as _time
+
+    class Slow(Counter):
+        def reset(self, **kwargs):
+            out = super().reset(**kwargs)
+            if kwargs["gold"] == slow_gold["reset"]:
+                _time.sleep(3.0)
+            return out
+
+        def get_reward(self) -> float:
+            if self.gold == slow_gold["reward"]:
+                _time.sleep(3.0)
+            return float(self.count)
+
+    problems = data.synthetic_problems(3, split="train", seed=0)
+    slow_gold = {"reset": problems[0].gold, "reward": problems[1].gold}
+    engine = FakeEngine(smol_tok, lambda text, turn: call(1) if turn == 0 else "#### done")
+    t0 = _time.perf_counter()
+    eps = EpisodeRunner(engine, ChatRenderer(smol_tok), environment_factory=Slow,
+                        cfg=EpisodeConfig(tool_timeout_s=0.3)).run(problems, 1)
+    assert _time.perf_counter() - t0 < 2.5  # neither sleep was waited for
+    assert (eps[0].end_reason, eps[0].error) == ("error", "reset timed out after 0.3 s (tool_timeout_s)")
+    assert eps[0].completion_ids == []
+    assert (eps[1].end_reason, eps[1].env_reward) == ("answered", None)
+    assert eps[1].error == "get_reward timed out after 0.3 s (tool_timeout_s)"
+    assert (eps[2].end_reason, eps[2].env_reward, eps[2].error) == ("answered", 1.0, None)
