@@ -2,7 +2,7 @@
 
     python bench/multiturn_throughput.py [--engines vllm [hf]] [--model tiny] [--problems 8] [--group-size 4]
                                          [--turns 3] [--turn-tokens 48] [--tool-latency-ms 50] [--tool-workers N]
-                                         [--tool-gather-ms MS] [--repeats 5]
+                                         [--tool-gather-ms MS] [--repeats 5] [--warm-prompts]
 
 Multi-turn side: ``--problems`` x ``--group-size`` episodes in one chunk (one
 :meth:`grpo_kit.episode.EpisodeRunner.run`, as a rollout task plays them), the
@@ -17,6 +17,12 @@ calls of the same batch size (a fresh seed per row and call)
 until they hold at least as many model tokens as the multi-turn side did (on a repeat where the
 single side runs first, the previous repeat's multi-turn count: ``single_target_tokens``); no tools,
 no waiting.
+Prompts are cold on both sides (2026-12-03 on; ``--warm-prompts`` for the figure before): vLLM's
+prefix cache is emptied before each side and before each single-turn call, outside the timing. The
+single side samples the same prompts call after call to reach the token count, and with the cache
+kept only its first call prefilled them (and none when the multi-turn side, with the same prompts,
+had just run): a real single-turn batch prefills new prompts, as the multi-turn side's first turn
+does. Within an episode, later turns still reuse the cache (the engine's real behaviour).
 Both sides run back to back in each repeat, alternating which goes first, and the figure is the
 median over repeats of the paired ratio of model tokens per wall second (``multiturn_vs_single_tokens_per_s``,
 target >= 0.8); ``multiturn_vs_single_tokens_per_cpu_s`` is the same by this process's CPU time (the
@@ -138,11 +144,21 @@ def slow_notes(latency_s: float):
     return SlowNotes
 
 
+def cold(engine) -> None:
+    """vLLM's prefix cache emptied (the transformers engine keeps none), outside the timing: what comes
+    next prefills its prompts as new prompts are prefilled."""
+    llm = getattr(engine, "llm", None)
+    if llm is not None and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache (requests in flight)")
+
+
 def multi_turn(engine, problems, group_size: int, version: int, cfg: EpisodeConfig, latency_s: float,
-               iteration: int) -> dict:
+               iteration: int, cold_prompts: bool = True) -> dict:
     timed = Timed(engine)
     runner = EpisodeRunner(timed, for_engine(engine), environment_factory=slow_notes(latency_s),
                            tool_parser=CallEveryTurn(), cfg=cfg, prompt_format=engine.prompt_format)
+    if cold_prompts:
+        cold(engine)
     t0, c0 = time.perf_counter(), time.process_time()
     eps = runner.run(problems, group_size, version, seed=0, iteration=iteration)
     out = timed.totals("multiturn_", time.perf_counter() - t0, time.process_time() - c0)
@@ -152,23 +168,29 @@ def multi_turn(engine, problems, group_size: int, version: int, cfg: EpisodeConf
 
 
 def single_turn(engine, prompts: Sequence[Sequence[int]], version: int, turn_tokens: int, min_tokens: int,
-                iteration: int, stop: Sequence[str] = ()) -> dict:
+                iteration: int, stop: Sequence[str] = (), cold_prompts: bool = True) -> dict:
     timed = Timed(engine)
-    t0, c0, k = time.perf_counter(), time.process_time(), 0
+    wall = cpu = 0.0
+    k = 0
     while k == 0 or sum(c["tokens"] for c in timed.calls) < min_tokens:
+        if cold_prompts:  # each call's prompts are new to the engine, as a real batch's are
+            cold(engine)
         seeds = [turn_seed(10_000 * iteration + k, i) for i in range(len(prompts))]
+        t0, c0 = time.perf_counter(), time.process_time()
         timed.sample_ids(prompts, seeds=seeds, max_new_tokens=[turn_tokens] * len(prompts), version=version, stop=stop)
+        wall, cpu = wall + time.perf_counter() - t0, cpu + time.process_time() - c0
         k += 1
-    return timed.totals("single_", time.perf_counter() - t0, time.process_time() - c0)
+    return timed.totals("single_", wall, cpu)
 
 
 def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, turns: int = 3, turn_tokens: int = 48,
             tool_latency_s: float = 0.05, version: int = 0, repeats: int = 3, warmup: bool = True,
-            episode_cfg: EpisodeConfig | None = None) -> dict:
+            episode_cfg: EpisodeConfig | None = None, cold_prompts: bool = True) -> dict:
     """The paired multi-turn / single-turn comparison on ``engine`` (module docstring). ``episode_cfg``
     (default: ``EpisodeConfig`` with ``turns``, ``turn_tokens`` and a budget that fits them) sets the
-    runner's limits, ``tool_workers`` and ``tool_gather_s``. Returns medians over ``repeats`` (the
-    ratio's per-repeat values in ``multiturn_vs_single_tokens_per_s_all``) and the last repeat's profile."""
+    runner's limits, ``tool_workers`` and ``tool_gather_s``. ``cold_prompts``: each side, and each
+    single-turn call, starts from an empty prefix cache (:func:`cold`). Returns medians over ``repeats``
+    (the ratio's per-repeat values in ``multiturn_vs_single_tokens_per_s_all``) and the last repeat's profile."""
     cfg = episode_cfg or EpisodeConfig(max_turns=turns, max_turn_tokens=turn_tokens,
                                        max_episode_tokens=min(turns * (turn_tokens + 16), engine.max_model_len // 2))
     stop = for_engine(engine).stop  # the turns' stop strings: the single side samples with them too
@@ -180,11 +202,12 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
         mt = st = None
         for side in ("multi", "single") if rep % 2 == 0 else ("single", "multi"):
             if side == "multi":
-                mt = multi_turn(engine, problems, group_size, version, cfg, tool_latency_s, iteration=rep)
+                mt = multi_turn(engine, problems, group_size, version, cfg, tool_latency_s, iteration=rep,
+                                cold_prompts=cold_prompts)
             else:  # the episodes' prompts and token count (the previous repeat's when single goes first:
                 ref = mt or reps[-1]  # the ratio is of tokens per second, so the sizes need not match exactly)
                 st = single_turn(engine, ref["prompts"], version, cfg.max_turn_tokens, ref["multiturn_tokens"],
-                                 iteration=rep, stop=stop)
+                                 iteration=rep, stop=stop, cold_prompts=cold_prompts)
                 st["single_target_tokens"] = ref["multiturn_tokens"]
         reps.append({**mt, **st,
                      "multiturn_vs_single_tokens_per_s": mt["multiturn_tokens_per_s"] / st["single_tokens_per_s"],
@@ -196,7 +219,7 @@ def measure(engine, problems: Sequence[data.Problem], *, group_size: int = 4, tu
     return {**last, **med, "multiturn_vs_single_tokens_per_s_all": [r["multiturn_vs_single_tokens_per_s"] for r in reps],
             "repeats": repeats, "episodes_per_chunk": len(problems) * group_size, "max_turns": cfg.max_turns,
             "turn_tokens": cfg.max_turn_tokens, "tool_latency_s": tool_latency_s, "tool_workers": cfg.tool_workers,
-            "tool_gather_s": cfg.tool_gather_s, "version": version}
+            "tool_gather_s": cfg.tool_gather_s, "version": version, "cold_prompts": cold_prompts}
 
 
 def make_engine(name: str, path: str, store, max_model_len: int = 512, block_size: int | None = None):
@@ -222,6 +245,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tool-workers", type=int, default=None, help="the runner's tool threads (default: EpisodeConfig's)")
     ap.add_argument("--tool-gather-ms", type=float, default=None, help="the runner's tool_gather_s in ms (default: EpisodeConfig's)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warm-prompts", action="store_true",
+                    help="keep vLLM's prefix cache between sides and calls (the figure until 2026-12-03: the single "
+                         "side's repeated prompts were then served from it, prefilled once for all its calls)")
     ap.add_argument("--version", type=int, default=1, help="1: a perturbed adapter; 0: the base model")
     ap.add_argument("--block-size", type=int, default=None,
                     help="vLLM's KV-cache block in tokens (default: the engine's; vLLM's CPU default is 128, and "
@@ -240,7 +266,7 @@ def main(argv=None) -> None:
     for name in args.engines:
         engine = make_engine(name, path, store, block_size=args.block_size)
         r = measure(engine, problems, group_size=args.group_size, tool_latency_s=args.tool_latency_ms / 1000,
-                    version=args.version, repeats=args.repeats, episode_cfg=cfg)
+                    version=args.version, repeats=args.repeats, episode_cfg=cfg, cold_prompts=not args.warm_prompts)
         engine.close()
         print(f"{name}: multi-turn {r['multiturn_tokens_per_s']:.0f} tok/s ({r['multiturn_tokens']} model tokens, "
               f"{r['multiturn_episodes']} episodes, {r['multiturn_turns_mean']:.2f} turns, {r['multiturn_calls']} "
