@@ -89,7 +89,7 @@ def test_an_embedding_lora_merges_as_peft_does_and_a_tied_one_is_refused(tiny_pa
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from grpo_kit.adapters import save_adapter
+    from grpo_kit.adapter_save import save_adapter
     from grpo_kit.lora_merge import adapter_deltas, base_weights, ties_word_embeddings
 
     model_dir = untied_copy(tiny_path, tmp_path / "untied")
