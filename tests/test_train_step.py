@@ -363,15 +363,22 @@ def test_a_sliding_window_model_trains_without_shared_prompts_past_its_window(pa
     assert attention_window(tiny_model(**windowed)) == 4 and attention_window(tiny_model()) is None
     batch = make_batch(6, seed=3, group=3)
     assert batch.input_ids.shape[1] > 4
+    shared_off_as_unshared(batch, windowed, OptimConfig(packing=packing, micro_batch_tokens=10_000))
+
+
+def shared_off_as_unshared(batch, windowed: dict, cfg: OptimConfig) -> None:
+    """A step with ``share_prompt`` on warns that the window turned it off and makes the update of the
+    step with it off."""
     updates = {}
     for share in (False, True):
         model = tiny_model(**windowed)
         before = lora_params(model)
-        cfg = OptimConfig(share_prompt=share, packing=packing, micro_batch_tokens=10_000)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), cfg)
-        assert any("sliding attention window (4 tokens)" in str(w.message) for w in caught) == share
+            grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0),
+                      replace(cfg, share_prompt=share))
+        window = windowed["sliding_window"]
+        assert any(f"sliding attention window ({window} tokens)" in str(w.message) for w in caught) == share
         updates[share] = {k: v - before[k] for k, v in lora_params(model).items()}
     assert all(torch.allclose(updates[True][k], updates[False][k], rtol=1e-9, atol=1e-12) for k in updates[False])
 
@@ -387,17 +394,7 @@ def test_shared_prompts_stay_off_where_the_longest_prompt_and_completion_pass_th
                     dtype=torch.float64)
     windowed = {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 0}
     assert batch.input_ids.shape[1] <= 12  # the old guard let sharing on
-    updates = {}
-    for share in (False, True):
-        model = tiny_model(**windowed)
-        before = lora_params(model)
-        cfg = OptimConfig(share_prompt=share, packing=packing, micro_batch_tokens=10_000, max_grad_norm=0)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            grpo_step(model, torch.optim.SGD(model.parameters(), lr=LR), batch, LossConfig(kl_beta=0.0), cfg)
-        assert any("sliding attention window (12 tokens)" in str(w.message) for w in caught) == share
-        updates[share] = {k: v - before[k] for k, v in lora_params(model).items()}
-    assert all(torch.allclose(updates[True][k], updates[False][k], rtol=1e-9, atol=1e-12) for k in updates[False])
+    shared_off_as_unshared(batch, windowed, OptimConfig(packing=packing, micro_batch_tokens=10_000, max_grad_norm=0))
 
 
 def test_gpt_neo_local_layers_are_a_sliding_window():
