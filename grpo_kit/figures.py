@@ -474,10 +474,10 @@ def _evals_of(records: Sequence[Record]) -> list[Mapping[str, Any]]:
 def _eval_points(records: Sequence[Record], key: str, eval_set: str | None = None) -> Arrays:
     """A held-out measure of each adapter version, at the step that made it (as :func:`eval_series`),
     on the task's own held-out set or on the ``eval_set`` of that name."""
-    pts = sorted({(made_at(ev), y) for ev in _evals_of(records)
+    pts = sorted({(made_at(ev), ev["version"], y) for ev in _evals_of(records)
                   if isinstance(ev.get("version"), int) and ev["version"] > 0 and ev.get("set") == eval_set
                   and (y := number(ev.get(key))) is not None})
-    return {"x": [p[0] for p in pts], "y": [p[1] for p in pts]}
+    return {"x": [p[0] for p in pts], "y": [p[2] for p in pts]}
 
 
 def eval_set_names(records: Sequence[Record]) -> list[str]:

@@ -84,15 +84,17 @@ def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[fl
     pts = set()
     for i, rec in enumerate(records):
         evs = _own_evals(rec) if key in EVAL_FIELDS else []
-        if evs:
-            pts.update((made_at(ev), y) for ev in evs if (y := number(EVAL_FIELDS[key](ev))) is not None)
+        if evs:  # (iteration, version, value): in version order where iterations tie
+            pts.update((made_at(ev), ev["version"], y) for ev in evs if (y := number(EVAL_FIELDS[key](ev))) is not None)
             continue
         y = number(rec.get(key))
         v = rec.get("eval_version")
         if y is not None:
-            pts.add((v - 1 if isinstance(v, int) and not isinstance(v, bool) else iteration_of(rec, i), y))
+            versioned = isinstance(v, int) and not isinstance(v, bool)
+            x = v - 1 if versioned else iteration_of(rec, i)
+            pts.add((x, v if versioned else x + 1, y))
     pts = sorted(pts)
-    return [p[0] for p in pts], [p[1] for p in pts]
+    return [p[0] for p in pts], [p[2] for p in pts]
 
 
 def all_spans(records: Sequence[Record]) -> list[tuple[str, Any, float, float]]:
