@@ -84,6 +84,10 @@ def test_columns_reach_the_reward_aligned_with_completions():
     assert [s.reward for s in out] == [1.0, 0.0, 1.0]
 
 
+def _raises_unprintable(prompts, completions, **kw):
+    raise KeyError(int("f" * 4000, 16))
+
+
 @pytest.mark.parametrize(
     ("bad", "why"),
     [
@@ -99,6 +103,8 @@ def test_columns_reach_the_reward_aligned_with_completions():
         (_exits, "raised SystemExit"),  # review: BaseException escaped, failing the chunk
         (_cancelled, "raised CancelledError"),
         (lambda prompts, completions, **k: 3.0, "returned float"),  # not a list at all
+        # review: str() of this error raises (an int past the 4,300-digit limit, from a hex answer)
+        (_raises_unprintable, "raised KeyError: (its message could not be made: ValueError)"),
     ],
 )
 def test_a_bad_reward_scores_zero_with_a_reason_and_the_others_still_count(bad, why):
