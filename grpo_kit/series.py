@@ -54,7 +54,7 @@ EVAL_FIELDS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
 :func:`grpo_kit.evals.attach` copies into the record's fields from the latest result)."""
 
 
-def _own_evals(rec: Record) -> list[Mapping[str, Any]]:
+def own_evals(rec: Record) -> list[Mapping[str, Any]]:
     """The record's evaluation results of a trained version on the task's own held-out set."""
     evs = rec.get("evals")
     return [ev for ev in evs if isinstance(ev, Mapping) and ev.get("set") is None
@@ -83,7 +83,7 @@ def eval_series(records: Sequence[Record], key: str) -> tuple[list[int], list[fl
     """
     pts = set()
     for i, rec in enumerate(records):
-        evs = _own_evals(rec) if key in EVAL_FIELDS else []
+        evs = own_evals(rec) if key in EVAL_FIELDS else []
         if evs:  # (iteration, version, value): in version order where iterations tie
             pts.update((made_at(ev), ev["version"], y) for ev in evs if (y := number(EVAL_FIELDS[key](ev))) is not None)
             continue

@@ -39,6 +39,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from .records import read_json, read_jsonl, run_files
+from .series import own_evals
 
 METRICS = ("acc_after", "kl_final", "clip_fraction", "grpo_wall_s")
 """summary.json keys :func:`sweep_figure` compares by default."""
@@ -414,13 +415,18 @@ def sweep_runs(
 
 def accuracy_curve(records: Sequence[Mapping[str, Any]], acc_before: float | None = None) -> list[tuple[float, float]]:
     """``(GRPO wall seconds, held-out accuracy)`` of a run: each evaluation at the loop's wall time of
-    the iteration it finished in (the final one lands on the last record), the base model's at 0."""
+    the iteration it finished in (the final one lands on the last record), the base model's at 0.
+    Two evaluations can finish in one iteration (a lagging one beside the final): the record's
+    ``evals`` holds both, in version order here (its ``eval_acc`` only the last; until 2026-12-03 the
+    earlier was lost, and :func:`time_to` could miss the version that first reached a target)."""
     pts = [(0.0, acc_before)] if _is_num(acc_before) else []
-    return pts + [
-        (r["grpo_wall_s"], r["eval_acc"])
-        for r in records
-        if _is_num(r.get("eval_acc")) and _is_num(r.get("grpo_wall_s"))
-    ]
+    for r in records:
+        if not _is_num(r.get("grpo_wall_s")):
+            continue
+        evs = sorted(own_evals(r), key=lambda ev: ev["version"])
+        accs = [ev.get("acc") for ev in evs] if evs else [r.get("eval_acc")]
+        pts += [(r["grpo_wall_s"], a) for a in accs if _is_num(a)]
+    return pts
 
 
 def time_to(records: Sequence[Mapping[str, Any]], target: float) -> float | None:

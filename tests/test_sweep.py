@@ -267,6 +267,17 @@ def test_accuracy_curve_and_time_to_target():
     assert sweep.accuracy_curve(nan["records"], float("nan")) == [(2.0, 0.5)]
 
 
+def test_accuracy_curve_keeps_both_evaluations_that_finished_in_one_iteration():
+    # review finding (2026-12-03): the run's end attaches a lagging evaluation and the final one to the
+    # last record; its eval_acc holds only the last, and time_to missed version 8's 0.92
+    recs = [{"iteration": 0, "grpo_wall_s": 50.0, "eval_acc": 0.5},
+            {"iteration": 11, "grpo_wall_s": 120.0, "eval_acc": 0.88, "eval_version": 12,
+             "evals": [{"version": 12, "acc": 0.88, "iteration": 11}, {"version": 8, "acc": 0.92, "iteration": 7},
+                       {"version": 12, "acc": 0.1, "set": "other", "iteration": 11}]}]
+    assert sweep.accuracy_curve(recs, 0.25) == [(0.0, 0.25), (50.0, 0.5), (120.0, 0.92), (120.0, 0.88)]
+    assert sweep.time_to(recs, 0.9) == 120.0
+
+
 def test_compare_figure_draws_each_run_in_every_panel_and_skips_failures():
     results = [_run("grpo", [(1.0, 0.5), (2.0, 0.9)]), _run("gspo", [(1.5, 0.6)]),
                {**_run("cispo", []), "error": "boom"}]
