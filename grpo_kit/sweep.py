@@ -144,6 +144,11 @@ def sweep(
     if len(set(names)) < len(names):
         raise ValueError(f"grid points share a name: {names}")
     _refuse_trl_names({**(base_params or {}), **grid})
+    stores = [{**(base_params or {}), **p}.get("store_url") for p in points]
+    shared = sorted({u for u in stores if u is not None and stores.count(u) > 1})
+    if shared:  # as sweep_runs refuses it (a review: the second point failed after the first's whole run)
+        raise ValueError(f"store_url {shared[0]!r} is shared by several grid points: give each its own "
+                         "(a grid axis), or none: each point's store is then in its run_dir")
     max_parallel = default_parallelism() if max_parallel is None else max_parallel
     if max_parallel < 1:
         raise ValueError(f"max_parallel must be >= 1, got {max_parallel}")
@@ -245,6 +250,9 @@ def run_config(spec: bytes, run_dir: str) -> dict[str, Any]:
     spec_path = run_path / "sweep_spec.pkl"
     spec_path.write_bytes(spec)
     log = run_path.with_name(run_path.name + ".log")
+    files = run_files(run_dir)
+    for old in (files.metrics, files.summary):  # a point runs afresh: a child that fails before its run
+        old.unlink(missing_ok=True)  # clears them (a bad dataset) must not return an earlier sweep's
     start = time.time()
     with open(log, "w") as out:
         proc = subprocess.run(
@@ -255,7 +263,6 @@ def run_config(spec: bytes, run_dir: str) -> dict[str, Any]:
     if proc.returncode != 0:
         tail = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         error = f"exit {proc.returncode}: {tail[-1] if tail else 'no output'} (see {log})"
-    files = run_files(run_dir)
     summary = read_json(files.summary) if error is None else {}
     if error is None and not summary:
         error = f"the run finished but wrote no {files.summary}"
@@ -499,12 +506,13 @@ def sweep_figure(
     ten or more gets a log axis.
     """
     ok = [r for r in results if not r.get("error")]
-    groups: dict[Any, list[Mapping[str, Any]]] = {}
+    groups: dict[str, tuple[Any, list[Mapping[str, Any]]]] = {}  # by the value's JSON: a list (``stop``) is a value
     for r in ok:
-        groups.setdefault(r["point"].get(color) if color else None, []).append(r)
+        value = r["point"].get(color) if color else None
+        groups.setdefault(json.dumps(value, sort_keys=True, default=str), (value, []))[1].append(r)
     fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=list(metrics), horizontal_spacing=0.07)
     palette = qualitative.Plotly
-    for g, (value, rows) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
+    for g, (value, rows) in enumerate(sorted(groups.values(), key=lambda vr: axis_order(vr[0]))):
         rows = sorted(rows, key=lambda r: axis_order(r["point"].get(x)))
         name = f"{color}={value}" if color else "runs"
         for m, metric in enumerate(metrics):

@@ -87,6 +87,18 @@ def test_an_axis_of_ints_and_floats_is_drawn_in_order():
     assert list(fig.data[0].x) == [0, 0.04, 0.1] and list(fig.data[0].y) == [0.5, 0.6, 0.7]
 
 
+def test_color_groups_are_in_value_order_and_may_be_lists():
+    """Review findings (2026-12-03): the legend read kl_beta=16, 2, 8 (sorted as text), and a list-valued
+    colour axis (``stop``, which 05_sweep may pick) raised TypeError after every run had finished."""
+    results = [_result(1e-4, kl, 0.5) for kl in (16, 2, 8, 1e-5)]
+    fig = sweep.sweep_figure(results, "lr", "kl_beta", metrics=("acc_after",))
+    assert [t.name for t in fig.data] == ["kl_beta=1e-05", "kl_beta=2", "kl_beta=8", "kl_beta=16"]
+    results = [{**_result(lr, 0.0, acc), "point": {"lr": lr, "stop": stop}}
+               for lr, stop, acc in ((1e-4, ["\n\n"], 0.3), (1e-3, ["\n\n"], 0.4), (1e-4, ["####"], 0.6))]
+    fig = sweep.sweep_figure(results, "lr", "stop", metrics=("acc_after",))
+    assert {t.name: list(t.y) for t in fig.data} == {"stop=['\\n\\n']": [0.3, 0.4], "stop=['####']": [0.6]}
+
+
 def test_table_flattens_point_summary_and_error():
     rows = sweep.table([_result(1e-3, 0.0, 0.5), _result(1e-3, 0.04, None, error="boom")])
     assert rows[0] == {
@@ -250,6 +262,9 @@ def test_a_notebook_sweep_refuses_trl_names_the_notebook_would_not_read(tmp_path
         sweep.sweep(nb, {"learning_rate": [1e-3, 2e-3]}, {}, tmp_path / "out", client=object())
     with pytest.raises(ValueError, match=r"\['beta'\] are TRL's names"):
         sweep.sweep(nb, {"lr": [1e-3]}, {"beta": 0.04}, tmp_path / "out", client=object())
+    # review finding (2026-12-03): one store for every point failed the second point after the first's run
+    with pytest.raises(ValueError, match="store_url 's3://b/sweep' is shared by several grid points"):
+        sweep.sweep(nb, {"lr": [1e-3, 2e-3]}, {"store_url": "s3://b/sweep"}, tmp_path / "out", client=object())
 
 
 def _run(name, curve, acc_before=0.25):
@@ -288,3 +303,19 @@ def test_compare_figure_draws_each_run_in_every_panel_and_skips_failures():
     clip = [t for t in fig.data if t.xaxis == "x3"]
     assert [list(t.y) for t in clip] == [[], []]  # no iteration measured a clip fraction
     assert "2 of 3 runs" in fig.layout.title.text
+
+
+def test_a_run_that_fails_before_it_starts_returns_no_earlier_sweeps_records(tmp_path):
+    """Review finding (2026-12-03): a child that failed before its run cleared the run files (a bad
+    dataset path) returned the previous sweep's metrics.jsonl of that point as its records."""
+    import cloudpickle
+
+    run_dir = tmp_path / "a"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "eval_acc": 0.9}) + "\n" for i in range(3)))
+    (run_dir / "summary.json").write_text("{}")
+    spec = cloudpickle.dumps({"profile": "tiny", "params": {"run_dir": str(run_dir), "dataset": str(tmp_path / "none.jsonl")},
+                              "policy_loss": None, "advantage": None})
+    res = sweep.run_config(spec, str(run_dir))
+    assert "none.jsonl" in res["error"] and res["records"] == [] and res["summary"] == {}
+    assert not (run_dir / "summary.json").exists()
