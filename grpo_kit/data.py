@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .reward import gold_value
+
 DEFAULT_INSTRUCTION = "Give the final answer as '#### <integer>'."
 """The answer-format instruction (a config field and notebook parameter: ``instruction``)."""
 PROMPT_TEMPLATE = "Question: {question}\n{instruction}\nAnswer:\n"
@@ -128,10 +130,10 @@ def parse_gold(answer: str) -> str:
     if not m:
         raise MalformedRow("no '#### <number>' line at the end of the answer")
     gold = m.group(1).replace(",", "").replace("$", "").strip()
-    try:
-        float(gold)
-    except ValueError:
-        raise MalformedRow(f"'#### {m.group(1)}' is not a number") from None
+    try:  # the reward's own reader (float() took "5.", "1e3", "1_000", "nan", which then failed every
+        gold_value(gold)  # reward call holding the row: a review, 2026-12-03)
+    except (ValueError, TypeError):
+        raise MalformedRow(f"'#### {m.group(1)}' is not a number the '####' reward reads") from None
     return gold
 
 
@@ -139,7 +141,7 @@ def _gsm8k_rows(source: str, split: str) -> Iterator[dict]:
     """Rows of one split from the hub, a directory of JSONL/parquet files or one file."""
     import datasets
 
-    path = Path(source)
+    path = Path(source).expanduser()  # "~/gsm8k" is a path (it was sent to the hub)
     if source == GSM8K_HUB_ID or (not path.exists() and "/" in source and not source.startswith((".", "/"))):
         ds = datasets.load_dataset(source, "main", split=split)
     else:
@@ -150,6 +152,9 @@ def _gsm8k_rows(source: str, split: str) -> Iterator[dict]:
                            and p.suffix in (".jsonl", ".json", ".parquet"))
             if not files:
                 raise FileNotFoundError(f"no {split}.jsonl or {split}*.parquet in {path}")
+            if len({f.suffix for f in files}) > 1:  # one split in two formats: every row twice, or json read as parquet
+                raise ValueError(f"{path} holds the {split} split in more than one format ({[f.name for f in files]}): "
+                                 "keep one")
         elif path.is_file():
             files = [path]
         else:

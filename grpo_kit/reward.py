@@ -216,9 +216,10 @@ def extract_answer(
     return None if value is None else float(value)
 
 
-def _gold_value(gold: float | Decimal | str) -> Decimal:
+def gold_value(gold: float | Decimal | str) -> Decimal:
     """The gold answer as an exact decimal: a float as its shortest repr (``18.1`` is 18.1, not the
-    binary double nearest it), so answers compare digit for digit."""
+    binary double nearest it), so answers compare digit for digit. Raises ValueError or TypeError for
+    a gold the ``####`` reward cannot read (``"5."``, ``"1e3"``, ``"nan"``, ``""``)."""
     if isinstance(gold, bool):  # a bool is an int; as a gold answer it is always a bug
         raise TypeError("gold must be a number or a numeric string, got bool")
     if isinstance(gold, int):
@@ -280,7 +281,7 @@ def gsm8k_reward(
     for name, v in (("format_bonus", format_bonus), ("lenient_credit", lenient_credit)):
         if not (math.isfinite(v) and v >= 0.0):
             raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
-    target = _gold_value(gold)
+    target = gold_value(gold)
     if len(completion) > max_chars:
         return RewardResult(0.0, None, f"input too long ({len(completion)} chars > {max_chars})")
     if not completion.strip():

@@ -132,6 +132,12 @@ def test_questions_are_seeded_disjoint_and_multi_digit():
     assert len(calculator.problems("train", n, n_digits=2, factor_digits=1)) == n
     with pytest.raises(ValueError, match="calculator.available"):
         calculator.problems("train", n + 1, n_digits=2, factor_digits=1)
+    # review finding (2026-12-03): the "tool" demo's own 23 * 41 was a held-out question, its answer in its prompt
+    assert calculator.is_heldout(23, 41)
+    held = calculator.problems("heldout", calculator.available("heldout", 2, 2), n_digits=2, factor_digits=2, demos=["tool"])
+    assert "mul-23-41" not in {p.id for p in held} and "mul-41-23" not in {p.id for p in held}
+    train = calculator.problems("train", calculator.available("train", 1, 1), n_digits=1, factor_digits=1, demos=["direct"])
+    assert not {"mul-7-8", "mul-8-7"} & {p.id for p in train}
 
 
 def test_registered_and_configured():

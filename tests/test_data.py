@@ -45,6 +45,38 @@ def test_gsm8k_folder_loads_only_its_split_files_not_the_socratic_ones(tmp_path)
     assert len(data.load_gsm8k(str(tmp_path), "test")) == 1
 
 
+def test_a_gold_the_reward_cannot_read_is_a_malformed_row(tmp_path):
+    """Review finding (2026-12-03): float() took these golds, the '####' reward refused them, and the
+    reward call holding the row failed for every completion in it (right answers scored 0)."""
+    golds = ["72", "5.", "1e3", "1_000", "nan", "\u0663"]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"question": f"Q{i}?", "answer": f"x\n#### {g}"}) + "\n"
+                                                  for i, g in enumerate(golds)))
+    got = data.load_gsm8k(str(tmp_path), "train", skip_malformed=True)
+    assert [p.gold for p in got] == ["72"] and got.skipped == [1, 2, 3, 4, 5]
+    with pytest.raises(data.MalformedRow, match="row 1: '#### 5.' is not a number the '####' reward reads"):
+        data.load_gsm8k(str(tmp_path), "train")
+
+
+def test_a_single_gsm8k_file_is_split_by_question_not_read_twice(tmp_path, monkeypatch):
+    """Review finding (2026-12-03): dataset=<one file> held out the first rows of the training file
+    (256 of 256 held-out questions were training questions). Also a "~/" path (it went to the hub)
+    and a split in two formats (every row twice)."""
+    from grpo_kit.tasks import gsm8k
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"x\n#### {i + 1}"} for i in range(200)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    t = gsm8k.task("~/train.jsonl")
+    train, held = t.problems("train", 1000, 0), t.problems("heldout", 1000, 0)
+    assert {p.question for p in train}.isdisjoint(p.question for p in held)
+    assert len(train) + len(held) == 200 and 5 <= len(held) <= 40  # about gsm8k.HELDOUT_FRACTION
+    assert t.problems("heldout", 3, 0) == held[:3]
+    assert len(data.load_gsm8k("~", "train")) == 200
+    (tmp_path / "train.json").write_text((tmp_path / "train.jsonl").read_text())
+    with pytest.raises(ValueError, match=r"train split in more than one format \(\['train.json', 'train.jsonl'\]\)"):
+        data.load_gsm8k(str(tmp_path), "train")
+
+
 def test_gsm8k_missing_path_is_clear():
     with pytest.raises(FileNotFoundError, match="neither"):
         data.load_gsm8k("./no/such/dir", "train")

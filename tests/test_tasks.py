@@ -64,6 +64,40 @@ def _problems(n=3):
 # ----------------------------------------------------------------------------- Scorer
 
 
+def test_gsm8k_reward_leaves_an_unreadable_gold_unscored_not_the_call():
+    """Review finding (2026-12-03): one gold the reward cannot read ("5.", a missing gold from rows)
+    failed the call, and every completion of the chunk scored 0."""
+    from grpo_kit.tasks import gsm8k
+
+    got = gsm8k.hash_reward(["a", "b", "c"], ["#### 72", "#### 5", "#### 3"], ["72", "5.", None])
+    assert [r.score for r in got] == [1.0, None, None]
+    assert got[1].reason.startswith("unreadable gold") and got[2].reason.startswith("unreadable gold")
+    probs = [Problem("a", "Q?", "72"), Problem("b", "Q2?", "5.")]
+    scored = gsm8k.task().scorer().score_problems(probs, ["#### 72", "#### 5"])
+    assert scored[0].reward == 1.0
+
+
+def test_from_rows_errors_name_the_bad_input():
+    """Review finding (2026-12-03): a list of strings or a DataFrame failed inside dict(); a DatasetDict
+    was "not one dict"; whitespace variants of one question landed in both splits; no held-out row
+    said "pass heldout_fraction > 0" when it was 0.1."""
+    import datasets
+    import pandas as pd
+
+    with pytest.raises(TypeError, match="row 0 is a str"):
+        tasks.from_rows(["What is 1 + 1?"], _const(1.0))
+    with pytest.raises(TypeError, match="not a pandas DataFrame"):
+        tasks.from_rows(pd.DataFrame({"prompt": ["a"]}), _const(1.0))
+    with pytest.raises(TypeError, match=r"DatasetDict: pick a split, e.g. ds\['train'\]"):
+        tasks.from_rows(datasets.DatasetDict({"train": datasets.Dataset.from_list([{"prompt": "a"}])}), _const(1.0))
+    with pytest.raises(ValueError, match="none of its 4 rows fell into heldout_fraction=0.1"):
+        tasks.from_rows([{"prompt": f"Q{i}"} for i in range(4) if i != 1] + [{"prompt": "Q9"}], _const(1.0)).load("heldout", 1)
+    rows = [{"prompt": f"What is {i} + 15?" + "\n" * k} for i in range(40) for k in (0, 1)]
+    t = tasks.from_rows(rows, _const(1.0), heldout_fraction=0.3)
+    held = {p.question.strip() for p in t.load("heldout", 100)}
+    assert held and held.isdisjoint(p.question.strip() for p in t.load("train", 100))
+
+
 def test_weighted_components_and_accuracy_from_the_first_reward():
     sc = Scorer([_const(1.0), _const(0.5)], [1.0, 0.2], ["a", "b"])
     out = sc.score_problems(_problems(2), ["x", "y"])

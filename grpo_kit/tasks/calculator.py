@@ -124,10 +124,13 @@ def problems(split: str, n: int, seed: int = 0, *, n_digits: int = 3, factor_dig
                          f"at most {available(split, n_digits, factor_digits)} are drawn (calculator.available)")
     rng = random.Random(f"mul-{seed}-{split}-{n_digits}-{factor_digits}")
     before = demo_messages(demos)
+    # a worked example's own question (either order) is not drawn: its answer is in the prompt (a review
+    # found mul-23-41 held out under the "tool" demo of 23 * 41)
+    shown = {pair for kind in (demos or ()) for pair in (DEMOS[kind], DEMOS[kind][::-1])}
     seen, out = set(), []
     while len(out) < n:
         a, b = (rng.randint(lo, hi) for lo, hi in ranges)
-        if (a, b) in seen or is_heldout(a, b) != (split == "heldout"):
+        if (a, b) in seen or (a, b) in shown or is_heldout(a, b) != (split == "heldout"):
             continue
         seen.add((a, b))
         messages = before + [{"role": "user", "content": question(a, b)}] if demos else None

@@ -24,7 +24,6 @@ question and a final-answer column works (:func:`task`).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
@@ -302,10 +301,6 @@ def math_reward(prompts: Sequence[str], completions: Sequence[str], gold: Sequen
     return out
 
 
-def _heldout(key: str, fraction: float) -> bool:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < fraction
-
-
 def task(source: str | Path | None = None, question: str = "question", answer: str = "answer",
          heldout_fraction: float = 0.1, timeout_s: float = 5.0, instruction: str = INSTRUCTION) -> Task:
     """Math answers checked by math-verify.
@@ -321,14 +316,14 @@ def task(source: str | Path | None = None, question: str = "question", answer: s
     def problems(split: str, n: int, seed: int) -> list[data.Problem]:
         if src == data.GSM8K_HUB_ID or Path(src).is_dir():
             return list(data.load_gsm8k(str(src), "test" if split == "heldout" else "train", limit=n))
-        from .rows import load_rows
+        from .rows import in_heldout, load_rows
 
         out = []
         for i, row in enumerate(load_rows(src)):
             for col in (question, answer):
                 if col not in row:
                     raise KeyError(f"{src}: no column {col!r} (columns: {sorted(row)})")
-            if _heldout(str(row[question]), heldout_fraction) == (split == "heldout"):
+            if in_heldout(str(row[question]).strip(), heldout_fraction) == (split == "heldout"):
                 out.append(data.Problem(id=f"math-{i}", question=str(row[question]), gold=final_answer(str(row[answer])),
                                         solution=str(row[answer])))
             if len(out) >= n:

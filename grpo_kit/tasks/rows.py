@@ -22,12 +22,17 @@ _FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv":
 
 def load_rows(source: Any, split: str = "train") -> list[dict]:
     """Rows as dicts from a list of dicts, a ``datasets.Dataset``, a file path or a hub id."""
-    if isinstance(source, Mapping):
-        raise TypeError("rows must be a sequence of dicts, a datasets.Dataset, a file path or a hub id, not one dict")
+    if isinstance(source, Mapping):  # a DatasetDict is a dict of splits
+        raise TypeError("rows must be a sequence of dicts, a datasets.Dataset, a file path or a hub id, not one dict"
+                        + (f" (a DatasetDict: pick a split, e.g. ds[{next(iter(source))!r}])"
+                           if type(source).__name__ == "DatasetDict" and source else ""))
+    if type(source).__name__ == "DataFrame":  # iterating a DataFrame gives its column names
+        raise TypeError("rows must be a sequence of dicts, not a pandas DataFrame: pass df.to_dict('records') "
+                        "or datasets.Dataset.from_pandas(df)")
     if isinstance(source, str | Path):
         import datasets
 
-        path = Path(source)
+        path = Path(source).expanduser()
         if path.exists():
             kind = _FILE_KINDS.get(path.suffix)
             if kind is None:
@@ -37,13 +42,16 @@ def load_rows(source: Any, split: str = "train") -> list[dict]:
             source = datasets.load_dataset(str(source), split=split)
         else:
             raise FileNotFoundError(f"{source!r} is neither an existing file nor a hub id ('owner/name')")
-    rows = [dict(r) for r in source]
-    if rows and not isinstance(rows[0], dict):
-        raise TypeError(f"rows must be dicts, got {type(rows[0]).__name__}")
-    return rows
+    rows = list(source)
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, Mapping)), None)
+    if bad is not None:
+        raise TypeError(f"rows must be dicts: row {bad} is a {type(rows[bad]).__name__} ({rows[bad]!r:.60})")
+    return [dict(r) for r in rows]
 
 
-def _in_heldout(key: str, fraction: float) -> bool:
+def in_heldout(key: str, fraction: float) -> bool:
+    """Whether the row of ``key`` (its question, stripped) falls into the held-out ``fraction``: a
+    hash of it decides, so the split is the same in every process and on every re-load."""
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
     return h / 2**64 < fraction
 
@@ -95,7 +103,7 @@ def from_rows(
     if heldout is not None:
         held = _problems(load_rows(heldout, "test"), name, "heldout", question, gold, columns)
     else:
-        held = [p for p in train if _in_heldout(_key(p), heldout_fraction)]
+        held = [p for p in train if in_heldout(_key(p), heldout_fraction)]
         ids = {p.id for p in held}
         train = [p for p in train if p.id not in ids]
     if not train:
@@ -104,7 +112,9 @@ def from_rows(
     def problems(which: str, n: int, seed: int) -> list[Problem]:
         if which == "heldout":
             if not held:
-                raise ValueError(f"task {name!r} has no held-out rows: pass heldout= or heldout_fraction > 0")
+                raise ValueError(f"task {name!r} has no held-out rows: none of its {len(train)} rows fell into "
+                                 f"heldout_fraction={heldout_fraction}; pass heldout= (rows of their own) or a "
+                                 "larger heldout_fraction")
             return held[:n]
         pool = list(train)
         random.Random(seed).shuffle(pool)
@@ -114,8 +124,9 @@ def from_rows(
 
 
 def _key(p: Problem) -> str:
-    """What the held-out split hashes: the question, or the whole conversation."""
-    return p.question if p.messages is None else json.dumps(p.messages, sort_keys=True)
+    """What the held-out split hashes: the question (stripped, as every prompt renders it: a review
+    found ``"Q"`` and ``"Q\\n"`` in different splits), or the whole conversation."""
+    return p.question.strip() if p.messages is None else json.dumps(p.messages, sort_keys=True)
 
 
 def _conversation(value: Any, where: str) -> list[dict]:

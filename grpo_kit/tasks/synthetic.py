@@ -10,7 +10,8 @@ from .gsm8k import hash_reward
 
 
 def task(n_digits: int = 3, n_terms: int = 2, format_bonus: float = 0.0, lenient_credit: float = 0.0) -> Task:
-    """Addition of ``n_terms`` numbers of ``n_digits`` digits; held-out sums are disjoint from training ones."""
+    """Addition of ``n_terms`` numbers of ``n_digits`` digits; no held-out question is a training one (a
+    hash of the operands splits them), though its operands' other order may be, and its sum usually is."""
 
     def problems(split: str, n: int, seed: int) -> list[data.Problem]:
         return data.synthetic_problems(n, split=split, seed=seed, n_digits=n_digits, n_terms=n_terms)
