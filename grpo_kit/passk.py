@@ -11,7 +11,8 @@
 - **maj@k** (self-consistency, Wang et al. 2022) is the share of problems whose *majority answer*
   is correct. What is voted on is each sample's extracted answer (for the kit's tasks, the first
   reward's ``RewardResult.parsed``: the number read after ``####``, math-verify's value); a sample
-  without one abstains. The answer with the most votes wins; a tie goes to the tied answer whose
+  without one abstains, as does one whose number was read only leniently (``\\boxed{}`` or the last
+  number, under ``lenient_credit``: the same samples vote alike whatever the reward's shaping). The answer with the most votes wins; a tie goes to the tied answer whose
   first vote came earliest in sample order (a fixed rule, as verl's first-seen order). The winner
   counts correct when any sample that voted for it is correct (for a task whose correctness depends
   on the answer alone, all of them are). A problem where no sample gave an answer counts wrong; an

@@ -91,6 +91,12 @@ _BOXED = "\\boxed{"
 _BOXED_MAX = 64  # a boxed answer longer than this is not a number
 
 
+LENIENT_RULES = ("boxed", "last")
+"""The rules by which the ``####`` reward reads an answer only with ``lenient``: such an answer earns
+``lenient_credit`` but casts no maj@k vote (:class:`grpo_kit.tasks.base.Score`), so maj@k does not
+move with a reward-shaping knob."""
+
+
 @dataclass(frozen=True, slots=True)
 class RewardResult:
     score: float | None

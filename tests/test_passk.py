@@ -93,3 +93,20 @@ def test_sampled_metrics_are_consistent():
         passk.sampled_metrics([[True], [True, False]])
     with pytest.raises(ValueError):
         passk.sampled_metrics([])
+
+
+def test_lenient_answers_cast_no_vote_so_maj_at_k_ignores_lenient_credit():
+    """Review finding (2026-12-03): with lenient_credit > 0 a completion without '####' voted with its
+    last number, so the same completions gave maj@k 1.0 or 0.0 by a reward-shaping knob."""
+    from grpo_kit import tasks
+    from grpo_kit.data import Problem
+
+    p = Problem("add-764-993", "What is 764 + 993?", "1757")
+    texts = ["#### 1757", "#### 1757", "carry the 1 ... 7", "carry the 1 ... 7", "carry the 1 ... 7"]
+    maj = {}
+    for lc in (0.0, 0.5):
+        scores = tasks.resolve("synthetic", lenient_credit=lc).scorer().score_problems([p] * 5, texts)
+        answers = [s.answer for s in scores]
+        assert answers == [1757.0, 1757.0, None, None, None], (lc, answers)
+        maj[lc] = passk.sampled_metrics([[s.correct for s in scores]], [answers])["maj_acc"]
+    assert maj == {0.0: 1.0, 0.5: 1.0}

@@ -81,7 +81,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..data import Problem
-from ..reward import RewardResult
+from ..reward import LENIENT_RULES, RewardResult
 from ..tools import exception_text
 
 RewardFn = Callable[..., Sequence[Any]]
@@ -299,7 +299,8 @@ class Score:
     """Components that raised, timed out or returned something that is not a score."""
     answer: Any = None
     """The first reward's extracted answer (its ``RewardResult.parsed``), None where it returned a
-    plain number or read none: what maj@k votes on (:mod:`grpo_kit.passk`)."""
+    plain number, read none, or read one only leniently (:data:`~grpo_kit.reward.LENIENT_RULES`: a
+    review found maj@k moved with ``lenient_credit``): what maj@k votes on (:mod:`grpo_kit.passk`)."""
 
 
 @dataclass
@@ -408,7 +409,7 @@ class Scorer:
                 reason = f"{self.names[0]}={v0:g}" if v0 is not None else f"{self.names[0]} did not apply"
             scores.append(Score(None if total is None else float(total), {nm: c[i] for nm, c in zip(self.names, comps, strict=True)},
                                 reasons[i] or reason, bool(ok), bool(lenient), errors[i],
-                                first.parsed if first is not None else None))
+                                first.parsed if first is not None and first.rule not in LENIENT_RULES else None))
         return scores
 
     def score_problems(self, problems: Sequence[Problem], completions: Sequence,
