@@ -212,13 +212,15 @@ def run(
     finally:
         tracking.end()  # (done already when it failed)
         try:
-            if driver is not None and driver.uncommitted():  # the run failed or was interrupted
-                _take_back(driver, progress)
-            if driver is not None:  # its generations ahead would hold the workers a resumed run needs
-                try:
-                    driver.abandon()
-                except Exception as e:  # never masking the run's own error
-                    warnings.warn(f"could not cancel the generations and evaluations in flight: {e!r}", stacklevel=2)
+            try:
+                if driver is not None and driver.uncommitted():  # the run failed or was interrupted
+                    _take_back(driver, progress)
+            finally:  # (a second interrupt while a step is taken back too: a review)
+                if driver is not None:  # its generations ahead would hold the workers a resumed run needs
+                    try:
+                        driver.abandon()
+                    except Exception as e:  # never masking the run's own error
+                        warnings.warn(f"could not cancel the generations and evaluations in flight: {e!r}", stacklevel=2)
         finally:  # a second interrupt while a step is waited for still closes the gang and the cluster
             try:
                 if gang is not None:
@@ -271,6 +273,7 @@ class _Driver:
         # scoring runs on workers with the reward resource where there are any, else in the rollout task
         self.reward_resources = {cl.REWARD: 1} if cl.workers_with(client, cl.REWARD) else None
         self.retries = remote.TaskRetries(client, cfg.run.max_task_failures)  # resubmits what KilledWorker ends
+        self.waited: list = []  # the futures being waited for (out of self.pending): cancel_pending's too
         # held-out evaluations: the task's own set here, the run's other sets added by run()
         self.evals = evals.Evaluations(client, cfg, self.key, [(None, heldout, scorer, episodes)], self.retries,
                                        seed=_seed(cfg.run.seed, "eval"))
@@ -381,7 +384,7 @@ class _Driver:
         while len(sel.train) < s.prompts_per_step and len(fresh) < bound:
             n = extra_prompts(s.prompts_per_step - len(sel.train), self.usable_share_seen(fresh), bound - len(fresh))
             more_f, more_scored = self.submit_round(it, rounds, version, n, priority=10)
-            more = self.retries.gather(more_f)
+            more = self.gather(more_f, more_scored)
             results = results + more
             fresh += groups_of(more, more_scored, s.group_size)
             specs.update(self.chunk_specs(it, rounds, n, more, more_scored))
@@ -409,6 +412,15 @@ class _Driver:
                             "start": min(ids) - offset, "stop": max(ids) + 1 - offset}
         return out
 
+    def gather(self, futures: list, scored: list) -> list:
+        """The summaries of ``futures`` (:class:`~grpo_kit.remote.TaskRetries`), with them and their
+        scored chunks where :meth:`cancel_pending` finds them while they are waited for (a review:
+        the batch being waited for, out of ``pending``, ran on after an interrupt)."""
+        self.waited = [*futures, *scored]  # (kept when the wait raises: cancel_pending's then)
+        out = self.retries.gather(futures)
+        self.waited = []
+        return out
+
     def restore_carry(self) -> None:
         """Resume: the carried groups of the run state, regenerated chunk by chunk as they were first
         generated (same prompts, seed, group ids and adapter version, so the same completions and
@@ -424,7 +436,8 @@ class _Driver:
             tag = f"carry-{e['iteration']}-r{e['round']}-{e['start']}-v{e['version']}"
             # the version it was first sampled from, never a newer one
             chunks[k] = self.submit_chunk(probs, e["iteration"], e["version"], offset + e["start"], tag, newest=False)
-        summaries = dict(zip(chunks, self.retries.gather([f for f, _ in chunks.values()]), strict=True))
+        summaries = dict(zip(chunks, self.gather([f for f, _ in chunks.values()], [s for _, s in chunks.values()]),
+                             strict=True))
         by = {(k, g.payload[0][0].group_id): g for k, (_, scored) in chunks.items()
               for g in groups_of([summaries[k]], [scored], s.group_size)}
         self.carry = [by[((e["iteration"], e["round"], e["start"], e["version"]), e["group_id"])] for e in entries]
@@ -481,7 +494,7 @@ class _Driver:
         cfg, s = self.cfg, self.cfg.sampling
         t_iter = time.time()
         pend = self.pending.pop(it)
-        results = self.retries.gather(pend.futures)
+        results = self.gather(pend.futures, pend.scored)
         pend.version = sampled_version(results, pend.version)
         rejected, discarded = 0, []
         if self.state["version"] - pend.version > cfg.run.max_staleness:
@@ -491,7 +504,7 @@ class _Driver:
             rejected = len(summaries_of(results)) // s.group_size  # dynamic sampling may have over-sampled
             self.submit_generation(it, version=self.state["version"], priority=10)
             pend = self.pending.pop(it)
-            results = self.retries.gather(pend.futures)
+            results = self.gather(pend.futures, pend.scored)
             pend.version = sampled_version(results, pend.version)
         t_gen_done = time.time()
         ahead = range(it + 1, it + 1 + self.depth)  # pipelining: the next batches, submitted before we train
@@ -668,8 +681,9 @@ class _Driver:
     def cancel_pending(self) -> None:
         """Cancel the generations in flight (batches submitted ahead) and let go of the futures held for
         their retries; what they would have produced is regenerated by a resumed run."""
-        futures = [f for p in self.pending.values() for f in p.futures + p.scored]
+        futures = [f for p in self.pending.values() for f in p.futures + p.scored] + self.waited
         self.pending.clear()
+        self.waited = []
         if futures:
             self.client.cancel(futures)
         self.retries.release_before(1 << 62)

@@ -511,6 +511,47 @@ def test_evaluations_a_stopped_run_left_pending_are_run_on_resume(tmp_path, clie
     assert res.summary["acc_before"] is not None
 
 
+def test_an_interrupt_while_a_batch_is_waited_for_cancels_that_batch_too(tmp_path, client, monkeypatch):
+    """Review finding (2026-12-03): the batch the driver waited for was out of ``pending`` while it
+    waited, so an interrupt there (where the driver spends its time) cancelled only the batches
+    ahead; iteration 1's generation ran on, held by the traceback, ahead of a resumed run's work."""
+    cfg = _cfg(tmp_path, iterations=3, world_size=1, pipelined=False, max_new_tokens=200, prompts_per_step=8)
+    real = remote.TaskRetries.gather
+
+    def gather(self, futures):
+        if futures and "-summary-1-" in str(futures[0].key):
+            raise KeyboardInterrupt  # Ctrl-C while iteration 1's batch is generated
+        return real(self, futures)
+
+    monkeypatch.setattr(remote.TaskRetries, "gather", gather)
+    before = set(client.futures)
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        loop.run(cfg, client=client, progress=False)
+    assert stopped.traceback is not None  # (it holds the driver, as a notebook's does)
+    held = [str(k) for k in set(client.futures) - before]
+    assert not [k for k in held if "-rollout-1-" in k or "-summary-1-" in k], held
+
+
+def test_a_second_interrupt_while_a_step_is_taken_back_still_cancels_the_work_in_flight(tmp_path, client, monkeypatch):
+    """Review finding (2026-12-03): a second Ctrl-C during the take-back (which may wait for a started
+    step) skipped the cancelling of the evaluations and batches in flight."""
+    cfg = _cfg(tmp_path, iterations=4, world_size=1, eval_every=1, eval_size=16)
+
+    def withdraw(self, *a, **kw):
+        raise KeyboardInterrupt  # the second interrupt
+
+    def stop_at_0(rec):
+        if rec["iteration"] == 0:
+            raise _Stop  # v1's evaluation was just submitted
+
+    monkeypatch.setattr(gang.TrainerGang, "withdraw", withdraw)
+    before = set(client.futures)
+    with pytest.raises(KeyboardInterrupt):
+        loop.run(cfg, client=client, progress=False, callbacks=[stop_at_0])
+    held = [str(k) for k in set(client.futures) - before]
+    assert not [k for k in held if "-eval-" in k or "-rollout-" in k or "-summary-" in k], held
+
+
 def test_an_evaluation_that_fails_loses_its_number_not_the_run(tmp_path, client):
     """Review finding: an evaluation task that raised (here another held-out set with a prompt longer
     than the engine's context) was re-raised at the next commit: the run stopped, the step just
