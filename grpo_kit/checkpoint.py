@@ -145,6 +145,19 @@ def load_state(store: AdapterStore, run_id: str) -> dict | None:
     return state
 
 
+def committed_version(store: AdapterStore) -> int | None:
+    """The version a resumed run would continue from, without changing the store: the run state's
+    version and the unbroken chain of versions published above it (:func:`reconcile` folds those in
+    and deletes the rest); the store's latest version where no run state was written (None: none)."""
+    try:
+        v = store.read_json(RUN_STATE)["version"]
+    except FileNotFoundError:
+        return store.latest()
+    while store.exists(v + 1) and store.descends(v + 1):
+        v += 1
+    return v
+
+
 def reconcile(state: dict, store: AdapterStore) -> dict:
     """Fold in the steps that published their adapters but whose run state was never written (a driver
     that died in between), along the unbroken chain of versions above the state's. A version past a

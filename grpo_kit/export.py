@@ -6,8 +6,10 @@ checkpoint (``AutoModelForCausalLM.from_pretrained(OUT)``, ``vllm.LLM(model=OUT)
 OUT``); ``--adapter OUT`` writes the version's PEFT directory (``PeftModel.from_pretrained(base,
 OUT)``, vLLM's ``LoRARequest(name, id, OUT)``, ``vllm serve BASE --enable-lora --lora-modules
 name=OUT``). Both at once is one call. The version defaults to the run's latest committed one
-(the highest version with a manifest in the run's adapter store, which is what a resumed run
-continues from); ``--version 0`` merged is a copy of the base model.
+(:func:`grpo_kit.checkpoint.committed_version`: the run state's version and the unbroken chain
+published above it, which is what a resumed run continues from; until 2026-12-03 the highest
+version in the store, which could be an orphan a resume deletes); ``--version 0`` merged is a copy
+of the base model.
 
 Where things come from: ``RUN_DIR/config.json`` names the base model (:func:`grpo_kit.models.resolve_model`)
 and the store (``run.store_url``, else ``RUN_DIR/store``); the version is fetched through
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .adapters import MANIFEST, AdapterStore, VersionNotFoundError
+from .checkpoint import committed_version
 from .models import MARKER as MODEL_MARKER
 from .models import resolve_model
 
@@ -74,7 +77,7 @@ class RunSource:
         """``version`` checked against the store (:class:`VersionNotFoundError` naming the available
         ones), or the latest committed version when None. Version 0 is the base model."""
         if version is None:
-            latest = self.store.latest()
+            latest = committed_version(self.store)
             if latest is None:
                 raise VersionNotFoundError(
                     f"the run's adapter store {self.store.root} holds no published versions (no training step of "
@@ -203,7 +206,12 @@ def merged(run_dir: str | os.PathLike, out: str | os.PathLike, version: int | No
                 elif target != w.dtype:
                     tensors[name] = w.to(target)
             save_file(tensors, str(tmp / shard.name), metadata={**meta, "format": meta.get("format", "pt")})
-        missing = sorted(set(deltas) - merged_names) + sorted(copies)
+        missing = sorted((set(deltas) - merged_names) | set(copies))  # (a name in both was listed twice)
+        if missing and ties_word_embeddings(str(base)) and all(n.rsplit(".", 2)[-2] == "lm_head" for n in missing):
+            raise ValueError(f"adapter v{v} trains the output layer (lm_head) of a model that ties it to its input "
+                             "embedding (tie_word_embeddings: the checkpoint holds one matrix for both), so merged it "
+                             "would change the embedding too. Export it with --adapter (served as a LoRA, it is "
+                             "applied as the trainer applies it)")
         if missing:
             raise ValueError(f"adapter v{v} targets weights the base checkpoint {base} lacks: {missing[:3]}"
                            f"{' ...' if len(missing) > 3 else ''}")
@@ -377,9 +385,17 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("give --merged OUT and/or --adapter OUT")
     common = {"version": args.version, "force": args.force, "store_url": args.store, "base_model": args.base,
               "progress": not args.quiet}
+    if args.merged and args.adapter:  # both outputs checked before either is written (a review: the second
+        m, a = Path(args.merged).resolve(), Path(args.adapter).resolve()  # replaced the first, or was refused after it)
+        if m == a or m in a.parents or a in m.parents:
+            ap.error(f"--merged {args.merged} and --adapter {args.adapter} must be separate folders, neither inside the other")
     try:
-        if args.merged and args.adapter and args.version is None:  # both of one version, even if a new one lands
-            common["version"] = open_run(args.run_dir, store_url=args.store, base_model=args.base).version()
+        if args.merged and args.adapter:
+            src = open_run(args.run_dir, store_url=args.store, base_model=args.base)
+            for out in (args.merged, args.adapter):
+                _check_out(out, args.force, src)
+            if args.version is None:  # both of one version, even if a new one lands
+                common["version"] = src.version()
         if args.merged:
             merged(args.run_dir, args.merged, dtype=args.dtype, **common)
         if args.adapter:

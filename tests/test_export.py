@@ -349,3 +349,45 @@ def test_vllm_loads_the_merged_checkpoint_and_the_adapter(run, tiny_path, tmp_pa
                 lp = token_logprobs(model, b.input_ids, b.attention_mask, b.completion_mask)[b.completion_mask.bool()]
             assert (lp - torch.tensor(out["logprobs"])).abs().max().item() <= 1e-3, name
     assert got["merged"] != got["base"]  # the policy is not the base: the checks above can fail
+
+
+def test_the_default_version_is_the_committed_one_not_an_orphan(tiny_path, tmp_path):
+    """Review finding (2026-12-03): the default was the store's highest version, here v3 past a gap (v2
+    taken back, a step the fence missed published v3), which a resume deletes."""
+    from grpo_kit import checkpoint
+
+    run_dir = tmp_path / "run"
+    write_run(run_dir, config.profile("tiny", run_dir=str(run_dir)))
+    store = AdapterStore(str(run_dir / "store"))
+    store.publish(perturbed_adapter(tiny_path, seed=1), 1)
+    checkpoint.save_state(store, {**checkpoint.fresh_state("r"), "version": 1, "next_iteration": 1})
+    store.publish(perturbed_adapter(tiny_path, seed=3), 3)
+    out = export.adapter(run_dir, tmp_path / "a", progress=False)
+    assert json.loads((out / "grpo_kit_export.json").read_text())["version"] == 1
+    assert checkpoint.committed_version(store) == 1
+    store.publish(perturbed_adapter(tiny_path, seed=2), 2)  # v2 published after v1 (no parent recorded: adopted)
+    assert checkpoint.committed_version(store) == 3  # the chain a resume folds in
+
+
+def test_both_outputs_are_checked_before_either_is_written(run, tmp_path):
+    """Review finding (2026-12-03): --merged X --adapter X --force left only the adapter in X, and a
+    refused --adapter came after the merged export had been written."""
+    run_dir, _ = run
+    with pytest.raises(SystemExit):
+        export.main([str(run_dir), "--merged", str(tmp_path / "x"), "--adapter", str(tmp_path / "x" / "a"), "--force"])
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not empty"):
+        export.main([str(run_dir), "--merged", str(tmp_path / "m"), "--adapter", str(full), "--quiet"])
+    assert not (tmp_path / "m").exists() and not (tmp_path / "x").exists()
+
+
+def test_a_lora_on_a_tied_output_layer_is_refused_with_the_way_out(tiny_path, tmp_path):
+    """Review finding (2026-12-03): the error named lm_head.weight twice, as a weight of another base model."""
+    run_dir = tmp_path / "tied"
+    write_run(run_dir, config.profile("tiny", run_dir=str(run_dir)))
+    AdapterStore(str(run_dir / "store")).publish(perturbed_adapter(tiny_path, seed=1, targets=("q_proj", "lm_head")), 1)
+    with pytest.raises(ValueError, match=r"output layer \(lm_head\) of a model that ties it.*--adapter") as e:
+        export.merged(run_dir, tmp_path / "m", progress=False)
+    assert "lacks" not in str(e.value)
