@@ -97,6 +97,7 @@ class WorkerLogs(WorkerPlugin):
         self.directory = directory
         self._saved: tuple[int, int] | None = None
         self._echo: ErrorEcho | None = None
+        self._buffering = False
 
     def setup(self, worker) -> None:
         path = Path(self.directory) / f"{_file_name(worker.name)}.log"
@@ -113,6 +114,11 @@ class WorkerLogs(WorkerPlugin):
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+        # a worker's stdout is a pipe, block-buffered: a worker killed outright (memory limit, OOM, a
+        # segfault) lost its last prints, the lines before the crash (a review); line by line now
+        if callable(getattr(sys.stdout, "reconfigure", None)):  # (a replaced stdout may have none)
+            self._buffering = sys.stdout.line_buffering
+            sys.stdout.reconfigure(line_buffering=True)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         print(f"==== {stamp} worker {worker.name} (pid {os.getpid()}, {worker.address})", flush=True)
         # errors go on to the kernel's stream (the notebook cell), as they did before the redirect
@@ -126,6 +132,8 @@ class WorkerLogs(WorkerPlugin):
         if self._saved is not None:
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
+            if callable(getattr(sys.stdout, "reconfigure", None)):
+                sys.stdout.reconfigure(line_buffering=self._buffering)
             os.dup2(self._saved[0], 1)
             os.dup2(self._saved[1], 2)
             for fd in self._saved:

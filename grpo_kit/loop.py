@@ -705,7 +705,13 @@ class _Driver:
         final_version = self.state["version"]
         if cfg.run.eval_every and not any(e["version"] == final_version for e in self.state["evals"]):
             if final_version not in self.evals.versions():  # (pending since the iteration that published it)
-                self.evals.submit(cfg.run.iterations - 1, final_version)
+                # at the iteration that published it (a review: an iteration that trained nothing last, as
+                # dynamic sampling's can, put it one or more iterations late in every figure)
+                try:
+                    made = self.store.manifest(final_version).get("meta", {}).get("iteration") if final_version else -1
+                except KeyError:  # (VersionNotFoundError: pruned by hand meanwhile; the run's last iteration then)
+                    made = None
+                self.evals.submit(made if isinstance(made, int) else cfg.run.iterations - 1, final_version)
         final = self.collect_evals(block=True)
         errors = self.evals.take_errors()
         if (final or errors) and self.records:

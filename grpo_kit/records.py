@@ -240,7 +240,9 @@ class MetricsRecord(TypedDict, total=False):
     grad_norm: float | None
     """Gradient norm before clipping; inf or NaN: the optimizer step was skipped (the adapter is unchanged)."""
     tokens: int | None
-    """Completion tokens trained on."""
+    """Completion tokens of the training batch (model tokens of multi-turn episodes), the rows a step
+    skips for a zero advantage (``kl_beta == 0``) included: the trainer's own ``tokens_trained``
+    leaves those out."""
     samples_nonzero_adv: int | None
     """Completions with a non-zero advantage."""
     # staleness and the groups trained on

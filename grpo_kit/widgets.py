@@ -223,7 +223,14 @@ class LivePlots:
         return self._figs if self._figs is not None else self._build()
 
     def __call__(self, record: Record) -> None:
-        """Append one metrics record and, when live, refresh every figure in place."""
+        """Append one metrics record and, when live, refresh every figure in place. A record whose
+        iteration is not past the last one held starts a new run (the run cell run again, from
+        scratch or resumed): the held records from that iteration on are dropped first (a review found
+        the two runs drawn as one, x going 0..4 then back to 0)."""
+        it = record.get("iteration")
+        if isinstance(it, int) and self.records and isinstance(self.records[-1].get("iteration"), int) \
+                and it <= self.records[-1]["iteration"]:
+            self.records = [r for r in self.records if not (isinstance(r.get("iteration"), int) and r["iteration"] >= it)]
         self.records.append(dict(record))
         self._refresh()
 

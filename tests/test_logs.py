@@ -133,6 +133,22 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def test_a_worker_killed_outright_keeps_its_last_prints(tmp_path):
+    """Review finding (2026-12-03): a worker's stdout (a pipe) stayed block-buffered after the redirect,
+    so a worker killed outright (memory limit, OOM, segfault) lost the lines printed before it died."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os, signal, types\nfrom grpo_kit import logs\n"
+            f"logs.WorkerLogs({str(tmp_path)!r}).setup(types.SimpleNamespace(name='rollout-0', address='tcp://x'))\n"
+            "print('last words before the crash')\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert "last words before the crash" in (tmp_path / "rollout-0.log").read_text()
+
+
 def test_merged_reload_is_quiet_and_a_layer_without_weights_raises(tmp_path, monkeypatch):
     pytest.importorskip("vllm")
     from grpo_kit import data, lora_merge, tiny, vllm_engine

@@ -552,6 +552,24 @@ def test_a_second_interrupt_while_a_step_is_taken_back_still_cancels_the_work_in
     assert not [k for k in held if "-eval-" in k or "-rollout-" in k or "-summary-" in k], held
 
 
+def test_the_final_evaluation_sits_at_the_iteration_that_published_the_final_version(tmp_path, client):
+    """Review finding (2026-12-03): the final evaluation was tagged with the run's last iteration even
+    where that iteration trained nothing (dynamic sampling found no usable group) and the final
+    version came from an earlier one: every figure drew it late."""
+    def spread_then_flat(completions, trainer_state, **kw):  # usable groups at iteration 0 only
+        if trainer_state.mode == "train" and trainer_state.global_step == 0:
+            return [float(len(c) % 2) for c in completions]
+        return [1.0] * len(completions)
+
+    task = dataclasses.replace(tasks.resolve("synthetic"), rewards=[spread_then_flat], names=["flat"])
+    cfg = _cfg(tmp_path, iterations=2, world_size=1, eval_every=2, eval_size=8, dynamic_sampling=True,
+               max_gen_batches=1, max_new_tokens=24, temperature=1.5)
+    res = loop.run(cfg, client=client, progress=False, task=task)
+    assert [r["version"] for r in res.records] == [1, 1]  # iteration 1 trained nothing
+    finals = [e for e in res.records[-1].get("evals", []) if e["version"] == 1]
+    assert [e["iteration"] for e in finals] == [0], res.records[-1].get("evals")
+
+
 def test_an_evaluation_that_fails_loses_its_number_not_the_run(tmp_path, client):
     """Review finding: an evaluation task that raised (here another held-out set with a prompt longer
     than the engine's context) was re-raised at the next commit: the run stopped, the step just

@@ -54,6 +54,21 @@ def test_live_plots_update_figures_in_place():
     assert "odd" in names(live.figures["timeline"]) and live.figures["timeline"] is figs["timeline"]
 
 
+def test_a_run_started_again_replaces_the_held_records_from_its_first_iteration():
+    """Review finding (2026-12-03): the run cell run again fed a fresh run into the same LivePlots,
+    and the live figures drew both runs as one (x 0..4 then back to 0)."""
+    live = widgets.LivePlots(live=True)
+    for i in range(5):
+        live({"iteration": i, "reward_mean": 0.1 * i})
+    for i in range(3):
+        live({"iteration": i, "reward_mean": 0.9})
+    assert [r["iteration"] for r in live.records] == [0, 1, 2]
+    assert trace(live.figures["reward"], "reward mean").y == (0.9, 0.9, 0.9)
+    live({"iteration": 2, "reward_mean": 0.5})  # a resumed run repeating its last iteration
+    live({"iteration": 3, "reward_mean": 0.6})
+    assert [(r["iteration"], r["reward_mean"]) for r in live.records] == [(0, 0.9), (1, 0.9), (2, 0.5), (3, 0.6)]
+
+
 def test_show_takes_the_final_records():
     # the loop attaches the final evaluation to the last record after the last callback
     records = synthetic_records(5)
