@@ -167,8 +167,15 @@ def reference(fn: Callable) -> str:
 
     >>> reference(grpo_loss)
     'grpo_kit.loss:grpo_loss'
+
+    Only a plain function (``def``) has one: a ``functools.partial`` or a callable object would be
+    recorded as a name that a resumed run or an export cannot rebuild with its arguments.
     """
-    return f"{fn.__module__}:{fn.__qualname__}"
+    qualname = getattr(fn, "__qualname__", None)
+    if not isinstance(qualname, str) or not isinstance(getattr(fn, "__module__", None), str):
+        raise ValueError(f"a plug-in must be a plain function (def), not {type(fn).__name__} {fn!r:.60}: wrap "
+                         "it, e.g. def my_loss(*args, **kw): return dual_clip(*args, c=3.0, **kw)")
+    return f"{fn.__module__}:{qualname}"
 
 
 def resolve(ref: str) -> Callable:
@@ -368,7 +375,11 @@ def stale_clip_warning(cfg: LossConfig, depth: int) -> str | None:
     55.5% held-out accuracy on tiny (the other objectives 100%), 50% clipped and 17.2% on SmolLM2 (the
     others 62.5-69.5%); on tiny with ``pipelined=False``, or pipelined with ``old_logp_source="trainer"``,
     GSPO reached 100% at version 12 as GRPO did, none clipped."""
-    if cfg.policy_loss != "gspo" or depth == 0 or cfg.old_logp_source != "engine" or gspo_clip_range(cfg) != GSPO_CLIP:
+    try:  # the function, not the name: "grpo_kit.algorithms:gspo_policy_loss" is GSPO too (a review)
+        gspo = policy_loss(cfg.policy_loss) is gspo_policy_loss
+    except (ValueError, ImportError):
+        gspo = False
+    if not gspo or depth == 0 or cfg.old_logp_source != "engine" or gspo_clip_range(cfg) != GSPO_CLIP:
         return None
     return (f"policy_loss='gspo' with its recommended sequence clip {GSPO_CLIP} against pipelined batches "
             f"(pipeline depth {depth}, old_logp_source='engine'): each batch is sampled a version behind, so the "
@@ -410,9 +421,13 @@ def gspo_policy_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, ad
 
     TRL ``importance_sampling_level="sequence"`` (``trl/trainer/grpo_trainer.py``, ``_compute_loss``:
     ``log_importance_weights = (log_ratio * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)``,
-    then ``coef_1 = torch.exp(log_importance_weights)``). With a per-sequence advantage this has the
-    gradient of verl's ``compute_policy_loss_gspo`` (GSPO-token, ``log_prob - log_prob.detach() +
-    negative_approx_kl_seq.detach()``): ``s_i * A_i * grad logp`` per token, summed the same way.
+    then ``coef_1 = torch.exp(log_importance_weights)``). With a per-sequence advantage and a
+    sequence-level engine-mismatch weight (the default ``sequence_*`` modes) this has the gradient of
+    verl's ``compute_policy_loss_gspo`` (GSPO-token, ``log_prob - log_prob.detach() +
+    negative_approx_kl_seq.detach()``): ``s_i * A_i * grad logp`` per token, summed the same way; with
+    a per-token weight (``token_truncate``, ``token_mask``) each token's gradient carries the
+    sequence's mean weight, TRL's formula (``per_token_loss * importance_sampling_ratio``), where
+    verl weights each token's own term.
     The paper's objective is ``loss_type="grpo"`` (a mean over sequences of constant token values);
     the KL term and the engine-mismatch weight are per token, as in :func:`grpo_loss`. The stats give
     each token its sequence's ratio; a clip counts on every token of a clipped sequence."""

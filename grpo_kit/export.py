@@ -60,6 +60,25 @@ ROUNDING_WARN = 1e-2
 """A merged delta whose relative rounding error exceeds this gets a warning (a bfloat16 merge)."""
 
 
+def samplable(config: dict) -> dict:
+    """A run's ``config.json`` as :meth:`grpo_kit.config.Config.from_dict` takes it in any process: the
+    task left out, and a plug-in name registered only in the training process (a notebook cell's
+    ``register_advantage("sign")``) replaced by the default, which sampling never reads (a review:
+    inspecting such a run in a fresh kernel raised "advantage must be one of ...")."""
+    from . import algorithms
+
+    out = {k: v for k, v in config.items() if k != "task"}
+    loss = dict(out.get("loss") or {})
+    for kind, registry, default in (("policy_loss", algorithms.POLICY_LOSSES, "grpo"),
+                                    ("advantage", algorithms.ADVANTAGES, "grpo")):
+        name = loss.get(kind)
+        if isinstance(name, str) and name not in registry and ":" not in name:
+            loss[kind] = default
+    if "loss" in out:
+        out["loss"] = loss
+    return out
+
+
 @dataclass(frozen=True)
 class RunSource:
     """Where a run's policy lives: its directory's ``config.json``, the base model, the adapter store."""
@@ -98,7 +117,7 @@ class RunSource:
         from .hf_engine import HFEngine
         from .prompts import prompt_format
 
-        cfg = Config.from_dict({k: v for k, v in self.config.items() if k != "task"})
+        cfg = Config.from_dict(samplable(self.config))
         instruction = (self.config.get("task") or {}).get("instruction")
         fmt = prompt_format(cfg) if instruction is None else prompt_format(cfg, instruction)
         return HFEngine(self.model_path, store=self.store, **{**HFEngine.options(cfg, fmt), **kw})

@@ -295,9 +295,12 @@ def _run_spec(spec_path: str) -> None:
 
     import cloudpickle
 
-    from . import config, loop
+    from . import algorithms, config, loop
 
     spec = cloudpickle.loads(Path(spec_path).read_bytes())
+    registries = {"policy_loss": algorithms.POLICY_LOSSES, "advantage": algorithms.ADVANTAGES}
+    for kind, (name, fn) in spec.get("registered", {}).items():
+        registries[kind][name] = fn  # (the flags, zero_adv_is_zero and takes_unscorable, are on the function)
     cfg = config.profile(spec["profile"], **spec["params"])
     if cfg.run.store_url is None:
         shutil.rmtree(cfg.run.store_root, ignore_errors=True)  # a point is run afresh (a re-run sweep)
@@ -306,6 +309,28 @@ def _run_spec(spec_path: str) -> None:
 
 PLUGINS = ("policy_loss", "advantage")
 """Config fields a :func:`sweep_runs` point may set to a function instead of a name."""
+
+
+def point_spec(profile: str, params: Mapping[str, Any]) -> tuple[dict, bytes]:
+    """A :func:`sweep_runs` point checked (``config.profile``: a bad value stops here, before any run)
+    and packed for :func:`run_config`: its parameters with each plug-in function by its name, and the
+    cloudpickled spec. A plug-in function travels by value; so does one registered by name in this
+    process (a notebook cell's ``register_policy_loss``), registered again in the run's child, which
+    never ran the cell (a review: every such run died there, "policy_loss must be one of")."""
+    import cloudpickle
+
+    from . import algorithms, config
+
+    params = dict(params)
+    fns = {k: params.pop(k) for k in PLUGINS if callable(params.get(k))}
+    named = {**params, **{k: algorithms.reference(fn) for k, fn in fns.items()}}
+    config.profile(profile, **named)
+    registries = {"policy_loss": algorithms.POLICY_LOSSES, "advantage": algorithms.ADVANTAGES}
+    registered = {k: (params[k], registries[k][params[k]]) for k in PLUGINS
+                  if isinstance(params.get(k), str) and params[k] in registries[k]}
+    spec = {"profile": profile, "params": params, "policy_loss": fns.get("policy_loss"),
+            "advantage": fns.get("advantage"), "registered": registered}
+    return named, cloudpickle.dumps(spec)
 
 
 def sweep_runs(
@@ -334,7 +359,7 @@ def sweep_runs(
     """
     import cloudpickle
 
-    from . import algorithms, config
+    from . import config
 
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -344,18 +369,7 @@ def sweep_runs(
         if not re.fullmatch(r"[A-Za-z0-9_.=+-]+", name or "") or re.fullmatch(r"\.+", name):
             raise ValueError(f"run name {name!r} is not file-name safe (letters, digits, _ . = + -; not only dots, "
                              "which name the output directory or its parent)")
-        params = {**base, **overrides, "run_dir": str(out / name)}
-        fns = {k: params.pop(k) for k in PLUGINS if callable(params.get(k))}
-        named = {**params, **{k: algorithms.reference(fn) for k, fn in fns.items()}}
-        config.profile(profile, **named)  # a bad value stops here, before any run
-        spec = cloudpickle.dumps(
-            {
-                "profile": profile,
-                "params": params,
-                "policy_loss": fns.get("policy_loss"),
-                "advantage": fns.get("advantage"),
-            }
-        )
+        named, spec = point_spec(profile, {**base, **overrides, "run_dir": str(out / name)})
         jobs.append(
             {
                 "name": name,

@@ -604,3 +604,37 @@ def test_gspo_against_stale_batches_warns_with_its_recommended_clip_only():
     assert warning(max_staleness=0) is None  # depth 0
     cfg = profile("tiny")  # the default loss
     assert cfg.loss.policy_loss == "grpo" and algorithms.stale_clip_warning(cfg.loss, cfg.run.depth) is None
+    # review (2026-12-03): GSPO given as its function is GSPO too
+    cfg = profile("tiny", policy_loss="grpo_kit.algorithms:gspo_policy_loss")
+    assert algorithms.stale_clip_warning(cfg.loss, cfg.run.depth) == message
+
+
+def test_a_plug_in_that_is_no_plain_function_is_refused_by_name():
+    """Review finding (2026-12-03): a functools.partial failed with AttributeError '__qualname__'; its
+    name would not rebuild its arguments in a resumed run or an export anyway."""
+    import functools
+
+    with pytest.raises(ValueError, match="plain function.*not partial"):
+        algorithms.reference(functools.partial(algorithms.grpo_policy_loss, cfg=None))
+
+
+def test_huge_rewards_are_clipped_and_the_group_still_trains():
+    """Review finding (2026-12-03): a distance reward against an answer of "1e308", twice in a group,
+    overflowed the group's mean and failed the step on every retry ("non-finite advantages"); near
+    1e200 the std overflowed and every advantage of the group became 0."""
+    from grpo_kit.data import Problem
+    from grpo_kit.tasks import Scorer
+    from grpo_kit.tasks.base import MAX_ABS_REWARD
+
+    def distance(completions, **kw):
+        return [-abs(float(c) - 42) for c in completions]
+
+    for huge in ("1e308", "1e200"):
+        scores = Scorer([distance], [1.0], ["distance"]).score_problems([Problem("p", "Q?", "42")] * 4,
+                                                                        ["41", huge, huge, "40"])
+        rewards = [s.reward for s in scores]
+        assert rewards == [-1.0, -MAX_ABS_REWARD, -MAX_ABS_REWARD, -2.0] and "clipped to -1e+09" in scores[1].reason
+        for name in ("grpo", "dr_grpo", "rloo", "reinforce_pp"):
+            adv = algorithms.compute_advantages(algorithms.advantage(name), torch.tensor(rewards, dtype=torch.float64),
+                                                4, LossConfig(advantage=name))
+            assert bool(torch.isfinite(adv).all()) and adv[0] > adv[3] > adv[1], (name, adv)

@@ -391,3 +391,16 @@ def test_a_lora_on_a_tied_output_layer_is_refused_with_the_way_out(tiny_path, tm
     with pytest.raises(ValueError, match=r"output layer \(lm_head\) of a model that ties it.*--adapter") as e:
         export.merged(run_dir, tmp_path / "m", progress=False)
     assert "lacks" not in str(e.value)
+
+
+def test_a_run_with_a_cell_registered_plug_in_is_inspected_in_a_fresh_process(tmp_path):
+    """Review finding (2026-12-03): config.json records a cell-registered name ("sign"); rebuilding the
+    Config for sampling (notebook 04's open_run(...).engine()) in a kernel that never registered it
+    raised "advantage must be one of"."""
+    cfg = config.profile("tiny", run_dir=str(tmp_path)).to_dict()
+    cfg["loss"].update(advantage="sign", policy_loss="__main__:dual_clip")
+    with pytest.raises(ValueError, match="advantage must be one of"):
+        config.Config.from_dict(cfg)
+    got = config.Config.from_dict(export.samplable({**cfg, "task": {"name": "synthetic"}}))
+    assert (got.loss.advantage, got.loss.policy_loss) == ("grpo", "__main__:dual_clip")  # module:qualname kept
+    assert got.sampling == config.Config.from_dict({**cfg, "loss": config.LossConfig().__dict__}).sampling

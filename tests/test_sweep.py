@@ -319,3 +319,23 @@ def test_a_run_that_fails_before_it_starts_returns_no_earlier_sweeps_records(tmp
     res = sweep.run_config(spec, str(run_dir))
     assert "none.jsonl" in res["error"] and res["records"] == [] and res["summary"] == {}
     assert not (run_dir / "summary.json").exists()
+
+
+def test_a_plug_in_registered_in_the_notebook_reaches_the_runs_child(tmp_path):
+    """Review finding (2026-12-03): a loss registered by name in a cell passed the check in the notebook
+    and failed in every run's child ("policy_loss must be one of"), which never ran the cell. Here the
+    child gets past the config to the (missing) dataset: the name was registered there."""
+    from grpo_kit import algorithms
+
+    @algorithms.register_policy_loss("cell_loss_for_sweep_test", zero_adv_is_zero=True)
+    def cell_loss(*args, **kw):
+        return algorithms.grpo_policy_loss(*args, **kw)
+
+    try:
+        named, spec = sweep.point_spec("tiny", {"policy_loss": "cell_loss_for_sweep_test", "run_dir": str(tmp_path / "a"),
+                                                "dataset": str(tmp_path / "none.jsonl")})
+        assert named["policy_loss"] == "cell_loss_for_sweep_test"
+        res = sweep.run_config(spec, str(tmp_path / "a"))
+        assert "none.jsonl" in res["error"] and "must be one of" not in res["error"], res["error"]
+    finally:
+        algorithms.POLICY_LOSSES.pop("cell_loss_for_sweep_test", None)

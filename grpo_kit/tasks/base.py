@@ -37,7 +37,8 @@ its own correctness rule. ``None`` (or NaN) means "does not apply": that compone
 sum. A completion that every function passed over (all None, none failing) is *unscorable*, as in
 TRL: its reward is None, it is left out of its group's baseline and spread, and its advantage is 0
 (:func:`grpo_kit.algorithms.compute_advantages`). A function that fails still scores 0, so a
-completion that breaks a reward is never spared the penalty.
+completion that breaks a reward is never spared the penalty. A value beyond ``MAX_ABS_REWARD`` (1e9) is
+clipped to it.
 
 Conversational prompts (a problem's ``messages``, TRL's conversational format; see
 :func:`~grpo_kit.tasks.rows.from_rows`): as TRL decides it from the first prompt of the batch,
@@ -392,6 +393,9 @@ class Scorer:
                 if why:
                     errors[i] += 1
                     reasons[i] = reasons[i] or f"{self.names[k]}: {why}"
+                elif v is not None and abs(v) > MAX_ABS_REWARD:  # order kept, no overflow downstream
+                    reasons[i] = reasons[i] or f"{self.names[k]}: {v:g} clipped to {math.copysign(MAX_ABS_REWARD, v):g}"
+                    v = math.copysign(MAX_ABS_REWARD, v)
                 if k == 0 and err is None and isinstance(out[i], RewardResult):
                     firsts[i] = out[i]
                 vals.append(v)
@@ -400,6 +404,8 @@ class Scorer:
         for i in range(n):
             applied = errors[i] or any(c[i] is not None for c in comps)  # a failure counts 0, not "unscorable"
             total = sum(w * (c[i] or 0.0) for w, c in zip(self.weights, comps, strict=True)) if applied else None
+            if total is not None and abs(total) > MAX_ABS_REWARD:  # (large weights)
+                total = math.copysign(MAX_ABS_REWARD, total)
             first = firsts[i]
             if first is not None:
                 ok, lenient, reason = first.correct, first.lenient_correct, first.reason
@@ -503,6 +509,14 @@ def as_list(out) -> list | None:
         return list(out)
     except TypeError:  # a 0-d array or tensor has __len__ but no length
         return None
+
+
+MAX_ABS_REWARD = 1e9
+"""A reward component (and the weighted total) beyond this magnitude is clipped to it, with the
+reason saying so: two rewards near 1e308 in a group (a distance reward against an answer of "1e308")
+overflowed the group's mean, and the step failed on every retry until the run died; near 1e200 the
+std overflowed and the whole group's advantages became 0 (a review, 2026-12-03). Clipping keeps the
+order: such an answer is still the group's worst."""
 
 
 def _value(x) -> tuple[float | None, str | None]:
