@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -199,6 +200,12 @@ def score_episodes(scorer: Scorer, problems: list[Problem], lives: list, rows: l
     log = log if log is not None else RewardLog(len(rows))
     scores = scorer.score_problems(problems, completions, extra, completion_ids=[r["completion_ids"] for r in rows],
                                    state=state, log=log)
+    # an episode whose environment failed before the policy acted (environment_factory or reset raised or
+    # timed out) is unscorable, advantage 0: its 0 moved the group's mean and gave the others advantages
+    # no action of theirs earned (a review); an error after the policy sampled keeps its penalty
+    scores = [dataclasses.replace(sc, reward=None, reason=f"not scored: {lv.ep.error} (before the policy acted)")
+              if lv.ep.end_reason == "error" and lv.ep.sampled_tokens == 0 else sc
+              for sc, lv in zip(scores, lives, strict=True)]
     stamp(rows, scores, log)
     return scores
 

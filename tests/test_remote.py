@@ -133,7 +133,8 @@ def test_score_episodes_passes_each_episodes_completion_ids_beside_the_environme
         seen.update(ids=completion_ids, envs=environments, env_reward=env_reward)
         return [float(len(ids)) for ids in completion_ids]
 
-    lives = [SimpleNamespace(env=f"env{i}", ep=SimpleNamespace(env_reward=0.5 * i)) for i in range(2)]
+    lives = [SimpleNamespace(env=f"env{i}", ep=SimpleNamespace(env_reward=0.5 * i, end_reason="answered", sampled_tokens=1))
+             for i in range(2)]
     rows = [{"text": "a", "completion_ids": [1, 2, 3, 4], "episode": {}}, {"text": "b", "completion_ids": [5], "episode": {}}]
     probs = [Problem(id="p", question="q", gold="1")] * 2
     scores = remote.score_episodes(Scorer([r], [1.0], ["n"]), probs, lives, rows)
@@ -154,6 +155,33 @@ def test_score_episodes_passes_each_episodes_completion_ids_beside_the_environme
     scores = remote.score_episodes(Scorer([last], [1.0], ["last"]), conv, lives, rows)
     assert seen["completions"] == [turns, [{"role": "assistant", "content": ""}]]
     assert seen["prompts"] == [[{"role": "user", "content": "q"}]] * 2 and [s.reward for s in scores] == [1.0, 0.0]
+
+
+def test_an_episode_whose_environment_failed_before_the_policy_acted_is_unscorable():
+    """Review finding (2026-12-03): a reset that raised scored its episode 0, which moved the group's
+    mean: three episodes that all earned 1.0 got advantages [0.5, 0.5, 0.5] beside a -1.5. An error
+    after the policy sampled keeps its 0 (the policy may have caused it)."""
+    import torch
+
+    from grpo_kit import algorithms
+    from grpo_kit.config import LossConfig
+    from grpo_kit.data import Problem
+    from grpo_kit.tasks import Scorer
+    from grpo_kit.tasks.base import env_reward
+
+    eps = [SimpleNamespace(env_reward=1.0, end_reason="answered", error=None, sampled_tokens=5),
+           SimpleNamespace(env_reward=None, end_reason="error", error="reset raised ConnectionError: down", sampled_tokens=0),
+           SimpleNamespace(env_reward=1.0, end_reason="answered", error=None, sampled_tokens=4),
+           SimpleNamespace(env_reward=None, end_reason="error", error="multiply timed out", sampled_tokens=3)]
+    lives = [SimpleNamespace(env=None, ep=ep) for ep in eps]
+    rows = [{"text": "", "completion_ids": [1] * ep.sampled_tokens, "episode": {}} for ep in eps]
+    scores = remote.score_episodes(Scorer([env_reward], [1.0], ["env"]), [Problem(id="p", question="q", gold="1")] * 4,
+                                   lives, rows)
+    assert [s.reward for s in scores] == [1.0, None, 1.0, 0.0] == [r["reward"] for r in rows]
+    assert scores[1].reason == "not scored: reset raised ConnectionError: down (before the policy acted)"
+    first3 = torch.tensor([float("nan") if s.reward is None else s.reward for s in scores[:3]])
+    adv = algorithms.compute_advantages(algorithms.advantage("grpo"), first3, 3, LossConfig())
+    assert adv.tolist() == [0.0, 0.0, 0.0]  # the episodes that ran earned one reward: nothing to learn
 
 
 def test_sampled_eval_plays_k_episodes_per_problem_for_a_multi_turn_task():
