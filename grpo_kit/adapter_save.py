@@ -88,8 +88,12 @@ class AdapterSaver:
     def valid(self, peft_model) -> bool:
         """Whether :meth:`write` would write what PEFT's save of ``peft_model`` writes now."""
         cfg = getattr(peft_model, "peft_config", {})
-        return list(cfg) == ["default"] and all(p.data_ptr() == ptr for _, p, ptr in self.pairs) and \
-            cfg["default"].to_dict() == self.config
+        if list(cfg) != ["default"] or cfg["default"].to_dict() != self.config:
+            return False
+        # still the model's own parameters (a load with assign=True, or low_cpu_mem_usage, swaps in new
+        # Parameter objects: a review found the next save wrote the first save's weights), in place
+        held = {id(p) for p in peft_model.parameters()}
+        return all(id(p) in held and p.data_ptr() == ptr for _, p, ptr in self.pairs)
 
     def write(self, directory: str) -> None:
         """The two files, as PEFT's save writes them."""

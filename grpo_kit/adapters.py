@@ -192,7 +192,11 @@ class AdapterStore:
         if MANIFEST in names:
             raise ValueError(f"{local_dir} holds a {MANIFEST}; the store writes its own")
         meta = dict(meta or {})
-        json.dumps(meta)  # fail on unserializable metrics before anything is uploaded
+        try:  # fail on unserializable metrics before anything is uploaded, as the manifest is written
+            _json_bytes(meta)  # (sorted keys: a dict mixing int and str keys failed only after the upload)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"publish v{version}: meta is not JSON the manifest can hold ({e}); use str keys "
+                            "and plain values") from e
         if self.exists(version):
             raise self._exists_error(version)
 

@@ -83,3 +83,20 @@ def test_save_adapter_after_the_first_writes_peft_files_without_peft(tmp_path, m
     assert json.loads((tmp_path / "ours-config" / "adapter_config.json").read_text())["lora_dropout"] == 0.25
     tensors = load_file(str(tmp_path / "ours-tensors" / "adapter_model.safetensors"))
     assert tensors and all(t.dtype == torch.float64 for t in tensors.values())
+
+
+def test_parameters_swapped_in_by_a_load_are_saved_not_the_learned_ones(tmp_path):
+    """Review finding (2026-12-03): load_state_dict(..., assign=True) (or PEFT's low_cpu_mem_usage
+    loads) puts new Parameter objects in the model; the saver still held the first save's, whose
+    storage was still alive, and the next publish wrote the old weights under a new version."""
+    from grpo_kit.adapter_save import save_adapter
+
+    model, other = tiny_peft(seed=1), tiny_peft(seed=2)
+    save_adapter(model, str(tmp_path / "v1"))
+    model.load_state_dict({k: v for k, v in other.state_dict().items() if "lora" in k}, strict=False, assign=True)
+    save_adapter(model, str(tmp_path / "v2"))
+    type(model).save_pretrained(model, str(tmp_path / "peft"))
+    assert (tmp_path / "v2" / "adapter_model.safetensors").read_bytes() == \
+        (tmp_path / "peft" / "adapter_model.safetensors").read_bytes()
+    assert (tmp_path / "v2" / "adapter_model.safetensors").read_bytes() != \
+        (tmp_path / "v1" / "adapter_model.safetensors").read_bytes()
