@@ -27,9 +27,15 @@ clock, so it is safe from any thread. Each keeper (trusted code, before the prog
    bind/connect and signals outside the sandbox refused where the kernel's ABI has them), installs a
    seccomp filter (x86-64 and aarch64: ``sandbox_launcher.seccomp_program``) that refuses Unix
    sockets (``socket(AF_UNIX)``: a daemon's or a desktop bus's socket would answer; socket pairs
-   still work), the keyrings (the trainer's session keyring), file locks (a channel between
-   concurrent runs through a file both may read), SysV IPC, io_uring and calls of another ABI, sets
-   the resource limits (:class:`SandboxLimits`), closes every other descriptor and runs the program.
+   still work), the keyrings (the trainer's session keyring), file locks, leases and change
+   notifications (inotify, fanotify: channels between concurrent runs through a file both may read),
+   what reads or sets a file's page cache (``fadvise``, ``readahead``, ``mincore``, a read with
+   ``RWF_NOWAIT``: a store that outlives the run), SysV IPC, io_uring and calls of another ABI; as root
+   it also turns access times off in its mount namespace (another such store); sets the resource
+   limits (:class:`SandboxLimits`), closes every other descriptor and runs the program. What stays
+   shared: the page cache itself, whose state a run can still tell by timing its reads (a slow
+   channel between runs, bounded by the few hundred files the readable set leaves a program no
+   reason to read), and, on the user-namespace path, access times.
 
 The caller reads the output with a bound (over ``max_output_bytes`` the run is killed) and, at
 ``timeout_s`` after the program started (``setup_timeout_s`` bounds what comes before), kills the
@@ -138,7 +144,8 @@ class SandboxResult:
     """The start of stdout + stderr (``keep_output_bytes``)."""
     isolation: tuple[str, ...] = ()
     """Layers that were in force (for :func:`run_tests`, in both processes): ``pidns``, ``netns``,
-    ``mntns``, ``ipcns``, ``proc`` (a fresh ``/proc``), ``userns``, ``uid``, ``caps`` (every capability
+    ``mntns``, ``ipcns``, ``noatime`` (no access times recorded), ``proc`` (a fresh ``/proc``), ``userns``,
+    ``uid``, ``caps`` (every capability
     dropped), ``nodump``, ``landlock-fs`` (writes), ``landlock-read``, ``landlock-net``,
     ``landlock-signal``, ``seccomp``, ``rlimits``."""
     setup_s: float | None = None

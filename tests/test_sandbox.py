@@ -579,6 +579,35 @@ def test_host_unix_sockets_keyrings_and_file_locks_are_refused(tmp_path):
     assert r.passed and r.output.split() == ["1", "1", "-1", "1"], r  # socketpair and TCP sockets still work
 
 
+def test_page_cache_probes_file_watches_and_access_times_are_refused():
+    """Second adversarial review (2026-12-03): with the seccomp filter and the IPC namespace in place,
+    runs still stored answers for later runs in the page cache of readable files (fadvise to evict,
+    a read with RWF_NOWAIT to test) and in access times, and passed them within a batch by inotify:
+    those calls are refused, access times are off as root, and the thousands of files nobody reads
+    (the standard library's tests, /usr/share) are unreadable."""
+    if "seccomp" not in probe():
+        pytest.skip("no seccomp filter for this machine's architecture")
+    program = ("import os, ctypes, sysconfig\nfd = os.open(os.__file__, os.O_RDONLY)\nout = []\n"
+               "for name, call in (('fadvise', lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)),\n"
+               "                   ('nowait', lambda: os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)),\n"
+               "                   ('inotify', lambda: ctypes.CDLL(None, use_errno=True).inotify_init1(0) >= 0 or 1 / 0)):\n"
+               "    try:\n        call()\n        out.append(name + ' ok')\n    except (OSError, ZeroDivisionError):\n"
+               "        out.append(name + ' refused')\n"
+               "print(os.preadv(fd, [bytearray(1)], 0, 0), *out)\n"
+               "doc = next((p for d, _, f in os.walk('/usr/share') for p in (os.path.join(d, x) for x in f)\n"
+               "            if not os.path.islink(p)), None)\n"  # names stay listable
+               "for path in (os.path.join(sysconfig.get_path('stdlib'), 'test', '__init__.py'), doc):\n"
+               "    try:\n        open(path, 'rb').read(1)\n        print(path, 'read')\n"
+               "    except (OSError, TypeError):\n        print('unreadable')\n")
+    r = run_python(program)
+    assert r.passed, r
+    assert r.output.split("\n")[0] == "1 fadvise refused nowait refused inotify refused", r.output
+    if "landlock-read" in r.isolation:
+        assert r.output.split("\n")[1:3] == ["unreadable", "unreadable"], r.output
+    if os.geteuid() == 0:
+        assert "noatime" in r.isolation, r.isolation
+
+
 def test_cpu_limit_ends_a_busy_loop_before_the_wall_clock():
     # on a loaded machine one CPU second can take many wall seconds: the reason says which limit ended it
     r = run_python("while True:\n    pass\n", SandboxLimits(timeout_s=120, cpu_s=1))
