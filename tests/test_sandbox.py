@@ -590,9 +590,10 @@ def test_page_cache_probes_file_watches_and_access_times_are_refused():
     program = ("import os, ctypes, sysconfig\nfd = os.open(os.__file__, os.O_RDONLY)\nout = []\n"
                "for name, call in (('fadvise', lambda: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)),\n"
                "                   ('nowait', lambda: os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)),\n"
-               "                   ('inotify', lambda: ctypes.CDLL(None, use_errno=True).inotify_init1(0) >= 0 or 1 / 0)):\n"
-               "    try:\n        call()\n        out.append(name + ' ok')\n    except (OSError, ZeroDivisionError):\n"
-               "        out.append(name + ' refused')\n"
+               "                   ('inotify', lambda: ctypes.CDLL(None, use_errno=True).inotify_init1(0) >= 0 or\n"
+               "                    (_ for _ in ()).throw(OSError(ctypes.get_errno(), 'inotify')))):\n"
+               "    try:\n        call()\n        out.append(name + ' ok')\n    except OSError as e:\n"
+               "        out.append(name + (' refused' if e.errno == 1 else f' errno {e.errno}'))\n"
                "print(os.preadv(fd, [bytearray(1)], 0, 0), *out)\n"
                "doc = next((p for d, _, f in os.walk('/usr/share') for p in (os.path.join(d, x) for x in f)\n"
                "            if not os.path.islink(p)), None)\n"  # names stay listable
