@@ -126,10 +126,42 @@ def process_cache_dir() -> str:
         if _process_cache is None or _process_cache[0] != os.getpid():
             remove_orphans()
             path = tempfile.mkdtemp(prefix=f"grpo-adapters-{os.getpid()}-")
+            _hold_alive(path)
             atexit.register(_remove_own_dir, os.getpid(), path)
             multiprocessing.util.Finalize(None, _remove_own_dir, args=(os.getpid(), path), exitpriority=0)
             _process_cache = (os.getpid(), path)
         return _process_cache[1]
+
+
+ALIVE = ".alive"
+"""The file in a process's cache directory that the process holds a shared ``flock`` on while it
+lives: a process in another PID namespace (a container sharing the temp directory, another node on
+shared storage) looks dead by its pid, and a review saw its cache removed while it fetched."""
+_alive_fds: list[int] = []  # (held for the process's lifetime)
+
+
+def _hold_alive(path: str) -> None:
+    try:
+        fd = os.open(os.path.join(path, ALIVE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        _alive_fds.append(fd)
+    except OSError:  # a file system without flock: the pid and the age decide, as before
+        pass
+
+
+def _held_elsewhere(path: str) -> bool:
+    """Whether a live process holds ``path``'s :data:`ALIVE` lock."""
+    try:
+        fd = os.open(os.path.join(path, ALIVE), os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # none (a cache made before the lock, or being made): not held
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 ORPHAN_AGE_S = 60.0
@@ -138,12 +170,14 @@ ORPHAN_AGE_S = 60.0
 
 def remove_orphans(root: str | None = None) -> list[str]:
     """Remove the cache directories (``grpo-adapters-<pid>-*`` under ``root``, default the temp
-    directory) of processes that no longer exist, at least :data:`ORPHAN_AGE_S` old; returns them."""
+    directory) of processes that no longer exist, at least :data:`ORPHAN_AGE_S` old and whose
+    :data:`ALIVE` lock no process holds; returns them."""
     removed = []
     for path in glob.glob(os.path.join(root or tempfile.gettempdir(), "grpo-adapters-*-*")):
         pid = os.path.basename(path).split("-")[2]
         try:
-            if not pid.isdigit() or _alive(int(pid)) or time.time() - os.stat(path).st_mtime < ORPHAN_AGE_S:
+            if not pid.isdigit() or _alive(int(pid)) or time.time() - os.stat(path).st_mtime < ORPHAN_AGE_S or \
+                    _held_elsewhere(path):
                 continue
         except OSError:
             continue

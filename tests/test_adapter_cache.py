@@ -141,3 +141,28 @@ def test_a_killed_processs_cache_is_removed_once_its_process_is_gone(tmp_path):
     p.join(30)
     assert adapter_cache.remove_orphans(str(tmp_path)) == [str(dead)]
     assert not dead.exists() and alive.exists() and young.exists()  # a live process's, and one too new
+
+
+def test_a_cache_whose_process_holds_its_lock_is_kept_though_its_pid_looks_gone(tmp_path):
+    """Review finding (2026-12-03): a process in another PID namespace (a container sharing the temp
+    directory) looks dead by its pid, and its cache was removed while it fetched; a live process
+    holds a lock in its cache, which the cleanup cannot take."""
+    import fcntl
+
+    from grpo_kit import adapter_cache
+
+    held, left = tmp_path / "grpo-adapters-999999998-a", tmp_path / "grpo-adapters-999999997-b"
+    for d in (held, left):
+        d.mkdir()
+        (d / adapter_cache.ALIVE).write_bytes(b"")
+    fd = os.open(held / adapter_cache.ALIVE, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # (the lock a live process in another namespace holds)
+    try:
+        old = time.time() - 2 * adapter_cache.ORPHAN_AGE_S
+        for d in (held, left):
+            os.utime(d, (old, old))
+        assert adapter_cache.remove_orphans(str(tmp_path)) == [str(left)]
+        assert held.exists()
+    finally:
+        os.close(fd)
+    assert os.path.isfile(os.path.join(adapter_cache.process_cache_dir(), adapter_cache.ALIVE))
