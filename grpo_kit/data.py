@@ -222,7 +222,9 @@ def _is_heldout(terms: tuple[int, ...], heldout_mod: int = 10) -> bool:
 def synthetic_problems(n: int, *, split: str = "train", seed: int = 0, n_digits: int = 3, n_terms: int = 2) -> list[Problem]:
     """``n`` distinct seeded addition problems from one split ("train" or "heldout").
 
-    The splits are disjoint by construction (a hash of the operands decides).
+    The splits share no question by construction (a hash of the operands, in order, decides); a held-out
+    question's operands in the other order may be a training one (``What is 347 + 285?`` beside
+    ``What is 285 + 347?``: a 2026-12-03 review counted 7 of 256 held-out 3-digit questions).
 
     >>> [p.question for p in synthetic_problems(2, seed=1, n_digits=2)]
     ['What is 80 + 58?', 'What is 60 + 30?']

@@ -9,7 +9,9 @@ strictly right (the arithmetic ``####`` reward, :func:`grpo_kit.tasks.gsm8k.hash
 strict correctness). Calling the tool earns nothing by itself, and a result the model writes
 without calling the tool counts only if its number is right.
 
-The held-out split is disjoint from the training one (a hash of the factors decides).
+The held-out split shares no question with the training one (a hash of the factors, in order,
+decides); with factors of one width, a held-out question's factors in the other order may be a
+training question.
 
 ``demos`` (for chat models) puts worked examples before each question, as earlier turns of its
 conversation (:func:`demo_messages`): a question answered through a ``multiply`` call in the Hermes
