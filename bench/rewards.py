@@ -3,7 +3,7 @@
     python bench/rewards.py [--gsm8k ../shared/data/gsm8k] [--timeout 3] [--quick]
 
 - ``humaneval_canonical_pass``: the 164 canonical solutions scored by the code reward (one batch, on
-  as many threads as CPUs); ``humaneval_empty_pass``: the same with empty completions (should be 0).
+  ``code_reward``'s default threads, 4 per CPU); ``humaneval_empty_pass``: the same with empty completions (should be 0).
 - ``code_hostile_zero`` of ``code_hostile_cases``: completions that attack the code reward instead of
   solving the problem (``testing.hostile_completions``: a forged verdict, objects equal to anything,
   rebound builtins, writes to every descriptor, a child writing later, hostile answers), each

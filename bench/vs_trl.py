@@ -833,7 +833,8 @@ def report(
           "clock in its one process)")
     for name, why in failed.items():
         print(f"  {name}: no result ({why})")
-    print(f"  time ratio grpo-kit / TRL: {_fmt(ratio)} (goal <= 0.5)")
+    goal = 0.5 if cfg.model.model == "tiny" else 0.7  # the README's targets: tiny 0.5, the real model 0.7
+    print(f"  time ratio grpo-kit / TRL: {_fmt(ratio)} (goal <= {goal})")
     if dyn is not None:
         print(f"  time ratio grpo-kit dynamic sampling / TRL: {_fmt(ratio_dyn)} (goal <= 0.7)")
     print(f"  time ratio grpo-kit / {vllm_name}: "

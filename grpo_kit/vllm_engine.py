@@ -378,6 +378,8 @@ class VLLMEngine:
         with self.holding(version) as lora:
             outs = self.llm.generate([self._TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                      lora_request=lora, use_tqdm=False)
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outs)} continuations for {len(prompts)} prompts")
         return [self.continuation(out, stop) for out in outs]
 
     @contextlib.contextmanager
@@ -400,7 +402,22 @@ class VLLMEngine:
         pass (None in merged mode or for version 0). Every sampling call goes through it."""
         with self._lock:
             self._apply_threads()
-            yield self.lora_for(version)
+            self.drop_leftovers()
+            try:
+                yield self.lora_for(version)
+            except BaseException:  # a call interrupted (Ctrl-C) or failed mid-way: its requests go too
+                self.drop_leftovers()
+                raise
+
+    def drop_leftovers(self) -> None:
+        """Abort the requests still in vLLM outside any call (one that was interrupted or failed left
+        them: a review saw the next ``sample_ids`` return their continuations as its own, the next
+        ``generate`` fail on the count, and in merged mode every later call fail, since the prefix
+        cache cannot be reset with requests in flight)."""
+        engine = getattr(self.llm, "llm_engine", None)
+        states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+        if states:
+            engine.abort_request(list(states), internal=True)
 
     def check_turn(self, prompt: Sequence[int], max_new_tokens: int, what: str) -> None:
         """:func:`grpo_kit.rollout.check_turn` at this engine's ``max_model_len``."""

@@ -141,11 +141,13 @@ def _start_cluster(base: Path, procs: Processes, driver_dir: Path, tls: dict | N
     procs.start([DASK, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", "127.0.0.1:0",
                  "--scheduler-file", str(sched_file), *(["--protocol", "tls"] if tls else []), *tls_args],
                 cwd=head, env=env, log=base / "scheduler.log")
-    deadline = time.time() + 60
-    while not sched_file.exists() and time.time() < deadline:
-        time.sleep(0.2)
-    assert sched_file.exists(), (base / "scheduler.log").read_text()
-    address = json.loads(sched_file.read_text())["address"]
+    deadline, address = time.time() + 60, None
+    while address is None and time.time() < deadline:  # the file exists before its JSON is written
+        try:  # (a review caught it empty under load)
+            address = json.loads(sched_file.read_text())["address"]
+        except (FileNotFoundError, ValueError, KeyError):
+            time.sleep(0.2)
+    assert address is not None, (base / "scheduler.log").read_text()
     for name, role in ROLES.items():
         procs.start([DASK, "worker", address, "--name", name, "--host", "127.0.0.1", "--nthreads", "1",
                      "--memory-limit", "0", "--resources", f"{role}=1", "--local-directory", ".", *tls_args],

@@ -467,3 +467,30 @@ def test_a_version_published_anew_is_never_served_from_the_old_weights(engine, s
     again = engine.generate(problems[:6], 6, v, max_new_tokens=MAX_NEW, seed=0)
     assert_aligned(dlogp(scorer(tiny_path, AdapterStore(store.root), v), again))
     assert [r.completion_ids for r in again] != [r.completion_ids for r in first]
+
+
+def test_an_interrupted_call_leaves_no_request_behind(engine, problems, monkeypatch):
+    """Review finding (2026-12-03): a call interrupted mid-way (Ctrl-C in a notebook) left its requests in
+    vLLM: the next sample_ids returned their continuations as its own, the next generate failed on the
+    count, and in merged mode every later call failed (no prefix-cache reset with requests in flight)."""
+    llm_engine = engine.llm.llm_engine
+    prompts = [engine.tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems[:2]]
+    ref = engine.sample_ids(prompts, seeds=[1, 2], max_new_tokens=[8, 8], version=1)
+    real, calls = llm_engine.step, {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("Ctrl-C")
+        return real()
+
+    for version in (0, 1):  # the interrupted call, then another version (merged mode reloads weights)
+        calls["n"] = 0
+        monkeypatch.setattr(llm_engine, "step", step)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(problems[:4], 4, version, max_new_tokens=16)
+        monkeypatch.setattr(llm_engine, "step", real)
+        assert llm_engine.get_num_unfinished_requests() == 0
+        got = engine.sample_ids(prompts, seeds=[1, 2], max_new_tokens=[8, 8], version=1)
+        assert [c.ids for c in got] == [c.ids for c in ref]
+    assert len(engine.generate(problems[:2], 2, 0, max_new_tokens=8)) == 4
