@@ -548,8 +548,12 @@ def test_a_second_interrupt_while_a_step_is_taken_back_still_cancels_the_work_in
     before = set(client.futures)
     with pytest.raises(KeyboardInterrupt):
         loop.run(cfg, client=client, progress=False, callbacks=[stop_at_0])
-    held = [str(k) for k in set(client.futures) - before]
-    assert not [k for k in held if "-eval-" in k or "-rollout-" in k or "-summary-" in k], held
+    held = {str(k): f for k, f in client.futures.items() if k not in before}
+    assert not [k for k in held if "-eval-" in k], held
+    # iteration 0's chunks, which the committed step trained on, may stay referenced (the traceback holds
+    # the driver's frame) but are finished; nothing generating is left
+    running = [k for k, f in held.items() if ("-rollout-" in k or "-summary-" in k) and f.status == "pending"]
+    assert not running, held
 
 
 def test_the_final_evaluation_sits_at_the_iteration_that_published_the_final_version(tmp_path, client):
