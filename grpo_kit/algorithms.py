@@ -101,6 +101,10 @@ ADVANTAGES: dict[str, Advantage] = {}
 """Registered advantage estimators by name."""
 
 
+REGISTRIES: dict[str, dict] = {"policy_loss": POLICY_LOSSES, "advantage": ADVANTAGES}
+"""Each plug-in config field (``LossConfig.policy_loss``, ``LossConfig.advantage``) -> its registry."""
+
+
 def register_policy_loss(name: str, *, zero_adv_is_zero: bool = False) -> Callable[[PolicyLoss], PolicyLoss]:
     """Decorator: register a policy loss under ``name`` (module docstring: the contract).
     ``zero_adv_is_zero``: a row with advantage 0 contributes nothing without the KL term, so the
@@ -157,7 +161,7 @@ def _lookup(name: str, registry: dict, what: str):
 def check_name(name: str, kind: str) -> None:
     """Raise ValueError unless ``name`` is a registered ``kind`` (``"policy_loss"`` or ``"advantage"``)
     or of the form ``module:qualname`` (resolved when the run starts, not here)."""
-    registry = POLICY_LOSSES if kind == "policy_loss" else ADVANTAGES
+    registry = REGISTRIES[kind]
     if not (isinstance(name, str) and (name in registry or ":" in name)):
         raise ValueError(f"{kind} must be one of {sorted(registry)} or 'module:qualname', got {name!r}")
 

@@ -69,11 +69,10 @@ def samplable(config: dict) -> dict:
 
     out = {k: v for k, v in config.items() if k != "task"}
     loss = dict(out.get("loss") or {})
-    for kind, registry, default in (("policy_loss", algorithms.POLICY_LOSSES, "grpo"),
-                                    ("advantage", algorithms.ADVANTAGES, "grpo")):
+    for kind, registry in algorithms.REGISTRIES.items():
         name = loss.get(kind)
         if isinstance(name, str) and name not in registry and ":" not in name:
-            loss[kind] = default
+            loss[kind] = "grpo"  # (the default of both)
     if "loss" in out:
         out["loss"] = loss
     return out

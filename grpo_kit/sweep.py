@@ -298,9 +298,8 @@ def _run_spec(spec_path: str) -> None:
     from . import algorithms, config, loop
 
     spec = cloudpickle.loads(Path(spec_path).read_bytes())
-    registries = {"policy_loss": algorithms.POLICY_LOSSES, "advantage": algorithms.ADVANTAGES}
     for kind, (name, fn) in spec.get("registered", {}).items():
-        registries[kind][name] = fn  # (the flags, zero_adv_is_zero and takes_unscorable, are on the function)
+        algorithms.REGISTRIES[kind][name] = fn  # (the flags, zero_adv_is_zero and takes_unscorable, are on the function)
     cfg = config.profile(spec["profile"], **spec["params"])
     if cfg.run.store_url is None:
         shutil.rmtree(cfg.run.store_root, ignore_errors=True)  # a point is run afresh (a re-run sweep)
@@ -325,9 +324,8 @@ def point_spec(profile: str, params: Mapping[str, Any]) -> tuple[dict, bytes]:
     fns = {k: params.pop(k) for k in PLUGINS if callable(params.get(k))}
     named = {**params, **{k: algorithms.reference(fn) for k, fn in fns.items()}}
     config.profile(profile, **named)
-    registries = {"policy_loss": algorithms.POLICY_LOSSES, "advantage": algorithms.ADVANTAGES}
-    registered = {k: (params[k], registries[k][params[k]]) for k in PLUGINS
-                  if isinstance(params.get(k), str) and params[k] in registries[k]}
+    registered = {k: (params[k], algorithms.REGISTRIES[k][params[k]]) for k in PLUGINS
+                  if isinstance(params.get(k), str) and params[k] in algorithms.REGISTRIES[k]}
     spec = {"profile": profile, "params": params, "policy_loss": fns.get("policy_loss"),
             "advantage": fns.get("advantage"), "registered": registered}
     return named, cloudpickle.dumps(spec)

@@ -475,7 +475,9 @@ def env_reward(prompts, completions, env_reward=None, **kwargs) -> list[float]:
     """The environments' own rewards (``get_reward()``, recorded when each episode ended): the
     reward of a task that has an environment and no reward functions. An episode without one (it
     ended in an error, so ``get_reward`` was not called) scores 0: the policy can cause an error (a
-    tool call that runs past its time limit), so an error must not spare it the penalty. A reward that
+    tool call that runs past its time limit), so an error must not spare it the penalty (one that
+    ended before the policy acted, its environment failing to start, is made unscorable by
+    :func:`grpo_kit.remote.score_episodes`). A reward that
     is not a finite number (an environment's NaN) scores 0 for the same reason: None or NaN here
     would make the episode unscorable, advantage 0, where it earned the penalty."""
     if env_reward is None:
