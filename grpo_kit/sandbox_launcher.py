@@ -91,7 +91,7 @@ SECCOMP_ARCH = {
 }
 AF_UNIX = 1
 # F_GETLK, F_SETLK, F_SETLKW, F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW, F_SETLEASE, F_GETLEASE, F_NOTIFY
-LOCK_COMMANDS = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
+FCNTL_DENIED = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)
 RWF_NOWAIT = 8
 
 
@@ -124,7 +124,7 @@ def seccomp_program(machine):
             ("socket", LD, None, None, 16),  # args[0]'s low word (little-endian): the domain
             (None, JEQ, "deny", None, AF_UNIX), (None, RET, None, None, ALLOW),
             ("fcntl", LD, None, None, 24)]  # args[1]'s low word: the command
-    ins += [(None, JEQ, "deny", None, c) for c in LOCK_COMMANDS]
+    ins += [(None, JEQ, "deny", None, c) for c in FCNTL_DENIED]
     ins += [(None, RET, None, None, ALLOW), ("deny", RET, None, None, DENY)]
     at = {label: i for i, (label, *_) in enumerate(ins) if label}
     return [(code, 0 if jt is None else at[jt] - i - 1, 0 if jf is None else at[jf] - i - 1, k)
